@@ -1,0 +1,154 @@
+"""The [uniep] section through TorchTitan's own config manager, and every error it promises."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+
+import pytest
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.train_spec import get_train_spec
+
+import titan_uniep  # noqa: F401  (registers the *_uniep train specs)
+from titan_uniep.config import UniEP
+
+
+def _parse(tmp_path, body: str, *cli: str):
+    path = tmp_path / "job.toml"
+    path.write_text(textwrap.dedent(body))
+    return ConfigManager().parse_args(["--job.config_file", str(path), *cli])
+
+
+HEADER = """
+[job]
+custom_config_module = "titan_uniep.config"
+[experimental]
+custom_import = "titan_uniep"
+[model]
+name = "deepseek_v3_uniep"
+flavor = "debugmodel"
+"""
+
+
+def test_uniep_section_is_merged_into_torchtitan_job_config(tmp_path):
+    cfg = _parse(tmp_path, HEADER + '[uniep]\nenable = true\nguard = "check"\nguard_interval = 5\n')
+    assert cfg.uniep.enable is True
+    assert cfg.uniep.schedule == "reference"
+    assert (cfg.uniep.guard, cfg.uniep.guard_interval) == ("check", 5)
+    # CLI overrides reach the section too, as for TorchTitan's own sections.
+    cfg = _parse(tmp_path, HEADER + "[uniep]\nenable = true\n", "--uniep.guard", "strict")
+    assert cfg.uniep.guard == "strict"
+
+
+def test_unknown_key_is_rejected_with_its_name(tmp_path):
+    with pytest.raises(ValueError, match="schedul"):
+        _parse(tmp_path, HEADER + '[uniep]\nenable = true\nschedul = "fused"\n')
+
+
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ('schedule = "overlapped"', r"\[uniep\] schedule = 'overlapped' is not a schedule; use one of 'reference'"),
+        ('guard = "loud"', r"\[uniep\] guard = 'loud' is not a guard mode"),
+        ("guard_interval = 0", r"\[uniep\] guard_interval must be a positive integer"),
+        ('enable = "yes"', r"\[uniep\] enable must be true or false"),
+    ],
+)
+def test_unknown_value_is_rejected_with_key_and_choices(tmp_path, line, match):
+    with pytest.raises(ValueError, match=match):
+        _parse(tmp_path, HEADER + f"[uniep]\n{line}\n")
+
+
+def _model(name: str, flavor: str, job):
+    spec = get_train_spec(name)
+    args = copy.deepcopy(spec.model_args[flavor])
+    args.update_from_config(job)  # as torchtitan.train does before building
+    with torch.device("meta"):
+        return spec, spec.model_cls(args)
+
+
+def _job(tmp_path, name="deepseek_v3_uniep", flavor="debugmodel", extra=""):
+    return _parse(
+        tmp_path,
+        HEADER.replace("deepseek_v3_uniep", name).replace('"debugmodel"', f'"{flavor}"')
+        + "[uniep]\nenable = true\n"
+        + extra,
+    )
+
+
+def _dims(ep=2, tp=1, etp=1, world=2):
+    return ParallelDims(dp_shard=-1, dp_replicate=1, cp=1, tp=tp, pp=1, ep=ep, etp=etp, world_size=world)
+
+
+def test_enable_without_expert_parallelism_names_the_degree(tmp_path):
+    job = _job(tmp_path)
+    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
+    with pytest.raises(ValueError, match=r"expert_parallel_degree > 1 \(got 1\)"):
+        spec.parallelize_fn(model, _dims(ep=1), job)
+
+
+def test_expert_tensor_parallelism_is_refused(tmp_path):
+    job = _job(tmp_path)
+    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_degree > 1 \(got 2\)"):
+        spec.parallelize_fn(model, _dims(ep=2, tp=2, etp=2, world=4), job)
+
+
+def test_tensor_parallel_moe_is_refused(tmp_path):
+    job = _job(tmp_path)
+    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2"):
+        spec.parallelize_fn(model, _dims(ep=2, tp=2, etp=1, world=4), job)
+
+
+def test_model_without_moe_layers_is_refused(tmp_path):
+    job = _job(tmp_path, "qwen3_uniep", "debugmodel")
+    spec, model = _model("qwen3_uniep", "debugmodel", job)  # qwen3's dense debug flavor
+    with pytest.raises(ValueError, match=r"has no MoE layers"):
+        spec.parallelize_fn(model, _dims(), job)
+
+
+def test_deepep_backend_conflicts(tmp_path):
+    job = _job(tmp_path)
+    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
+    job.parallelism.expert_parallel_comm_backend = "deepep"
+    with pytest.raises(ValueError, match=r"expert_parallel_comm_backend = 'deepep'"):
+        spec.parallelize_fn(model, _dims(), job)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_fused_schedule_without_cuda_is_refused(tmp_path):
+    job = _job(tmp_path, extra='schedule = "fused"\n')
+    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
+    with pytest.raises(ValueError, match=r"\[uniep\] schedule = 'fused'.*(needs CUDA|not available)"):
+        spec.parallelize_fn(model, _dims(), job)
+
+
+def test_disabled_uniep_calls_only_the_base_parallelize(tmp_path):
+    spec = get_train_spec("qwen3_uniep")
+    calls = []
+    base = spec.parallelize_fn.__wrapped__
+    from titan_uniep.parallelize import wrap_parallelize_fn
+
+    wrapped = wrap_parallelize_fn(lambda m, d, j: calls.append((m, d, j)) or m)
+    job = _parse(tmp_path, HEADER + "[uniep]\nenable = false\n")
+    sentinel = torch.nn.Linear(1, 1)
+    assert wrapped(sentinel, "dims", job) is sentinel
+    assert calls == [(sentinel, "dims", job)]
+    assert type(sentinel) is torch.nn.Linear
+    assert base is get_train_spec("qwen3").parallelize_fn
+
+
+def test_uniep_train_specs_are_registered():
+    for name, base in titan_uniep.UNIEP_MODELS.items():
+        spec, base_spec = get_train_spec(name), get_train_spec(base)
+        assert spec.model_cls is base_spec.model_cls
+        assert spec.model_args is base_spec.model_args
+        assert spec.parallelize_fn.__wrapped__ is base_spec.parallelize_fn
+
+
+def test_defaults_are_off():
+    cfg = UniEP()
+    assert (cfg.enable, cfg.schedule, cfg.guard) == (False, "reference", "off")

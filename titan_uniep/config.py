@@ -1,0 +1,77 @@
+"""The ``[uniep]`` section of a TorchTitan TOML train config.
+
+TorchTitan merges this module's ``JobConfig`` into its own when a config sets
+``[job] custom_config_module = "titan_uniep.config"`` (torchtitan/config/
+manager.py). Every field is documented right under it, as in TorchTitan's
+job_config.py; the same text is the CLI help (``--uniep.schedule ...``).
+
+Checks that need only this section run in ``__post_init__``; checks that need
+the parallel dimensions or the model run in the parallelize hook
+(``titan_uniep.parallelize.validate``).
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SCHEDULES = ("reference", "sequential", "fused")
+GUARDS = ("off", "check", "strict")
+
+
+@dataclass
+class UniEP:
+    enable: bool = False
+    """Run every MoE block's expert-parallel path (dispatch, expert FFN,
+    combine and their backward) through UniEP. Needs
+    ``parallelism.expert_parallel_degree > 1`` and a ``*_uniep`` model name
+    (``deepseek_v3_uniep``, ``qwen3_uniep``, ``llama4_uniep``). With
+    ``enable = false`` a ``*_uniep`` model trains exactly like its base model."""
+
+    schedule: Literal["reference", "sequential", "fused"] = "reference"
+    """How the exchange and the expert FFN run. ``"reference"``: torch
+    collectives (NCCL on GPU, gloo on CPU) into UniEP's deterministic layout,
+    experts as grouped GEMMs; runs anywhere and is the oracle of the others.
+    ``"sequential"``: UniEP's Triton kernels, all communication then all
+    compute. ``"fused"``: the same kernels with communication and GEMM tiles
+    overlapped (GPU only); bitwise equal to ``"sequential"``."""
+
+    guard: Literal["off", "check", "strict"] = "off"
+    """Runtime check of the bitwise contract. ``"off"``: none. ``"check"``:
+    every ``guard_interval`` steps, recompute one MoE layer's output with the
+    non-overlapped schedule of the same kernels and log any bitwise difference
+    with layer and step. ``"strict"``: like check, but raise on the first
+    difference (on every rank, so no rank is left waiting)."""
+
+    guard_interval: int = 100
+    """Steps between two guard checks (``guard`` other than ``"off"``); the
+    first check runs at step 1."""
+
+    guard_layer: int = -1
+    """Which MoE layer the guard recomputes: its position among the MoE layers
+    (0 = first; negative counts from the last, -1 = last)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable, bool):
+            raise ValueError(f"[uniep] enable must be true or false, got {self.enable!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"[uniep] schedule = {self.schedule!r} is not a schedule; "
+                f"use one of {', '.join(repr(s) for s in SCHEDULES)}"
+            )
+        if self.guard not in GUARDS:
+            raise ValueError(
+                f"[uniep] guard = {self.guard!r} is not a guard mode; "
+                f"use one of {', '.join(repr(g) for g in GUARDS)}"
+            )
+        if isinstance(self.guard_interval, bool) or not isinstance(self.guard_interval, int) or self.guard_interval < 1:
+            raise ValueError(
+                f"[uniep] guard_interval must be a positive integer (steps between checks), got {self.guard_interval!r}"
+            )
+        if isinstance(self.guard_layer, bool) or not isinstance(self.guard_layer, int):
+            raise ValueError(f"[uniep] guard_layer must be an integer, got {self.guard_layer!r}")
+
+
+@dataclass
+class JobConfig:
+    """Merged into TorchTitan's JobConfig through ``[job] custom_config_module``."""
+
+    uniep: UniEP = field(default_factory=UniEP)

@@ -1,0 +1,176 @@
+"""UniEP's MoE modules: TorchTitan's MoE with the expert-parallel path swapped.
+
+``UniEPMoE`` keeps TorchTitan's router, shared experts, load-balancing buffers
+(``expert_bias``, ``tokens_per_expert``) and every parameter FQN; only the
+routed-expert path changes. Instead of TorchTitan's reorder -> all-to-all ->
+permute/pad -> grouped GEMM -> unpermute -> all-to-all -> unsort, the experts
+module receives the router's decision and runs one UniEP schedule
+(``titan_uniep.schedules``) that dispatches, computes and combines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchtitan.models.moe.moe import GroupedExperts, MoE
+
+from titan_uniep.schedules import Routing, get_schedule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BitwiseGuard", "UniEPGroupedExperts", "UniEPMoE"]
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing re-runs forwards inside the backward pass; the
+    # guard and the step counter must not count those.
+    return torch._C._current_graph_task_id() != -1
+
+
+class BitwiseGuard:
+    """Runtime check of the bitwise contract on one MoE layer.
+
+    Every ``interval`` steps (first at step 1), the guarded layer recomputes
+    its output with the non-overlapped schedule of the same kernels and
+    compares bits. ``mode="check"`` logs a difference with layer and step;
+    ``mode="strict"`` raises on every rank of the EP group (the mismatch flag
+    is all-reduced first, so no rank is left waiting in a collective).
+
+    The step is counted by a forward pre-hook on the root model (installed by
+    the parallelize hook): ``grad_accum_steps`` root forwards make one step.
+    A check costs one extra forward of the layer and, in strict mode, one
+    all-reduce and host sync.
+    """
+
+    def __init__(self, mode: str, interval: int, grad_accum_steps: int = 1):
+        if mode not in ("check", "strict"):
+            raise ValueError(f"[uniep] guard = {mode!r}: BitwiseGuard needs 'check' or 'strict'")
+        self.mode = mode
+        self.interval = interval
+        self.grad_accum_steps = max(1, grad_accum_steps)
+        self.model_forwards = 0
+        self.checks = 0
+        self.mismatches = 0
+        self._last_checked_step = 0
+
+    @property
+    def step(self) -> int:
+        """1-based training step of the current forward."""
+        return (max(self.model_forwards, 1) - 1) // self.grad_accum_steps + 1
+
+    def count_model_forward(self, module: torch.nn.Module, args) -> None:
+        if module.training and not _in_backward():
+            self.model_forwards += 1
+
+    def due(self) -> bool:
+        step = self.step
+        return (
+            not _in_backward()
+            and (step - 1) % self.interval == 0
+            and step != self._last_checked_step
+        )
+
+    def compare(self, out: torch.Tensor, again: torch.Tensor, layer: str, group: dist.ProcessGroup | None) -> None:
+        step = self.step
+        self._last_checked_step = step
+        self.checks += 1
+        same = torch.equal(out, again)
+        if not same:
+            self.mismatches += 1
+            diff = (out.float() - again.float()).abs()
+            logger.warning(
+                "UniEP guard: layer %s step %d: output differs bitwise from the non-overlapped "
+                "schedule in %d of %d elements (max abs diff %.3e)",
+                layer, step, int((out != again).sum()), out.numel(), float(diff.max()) if diff.numel() else 0.0,
+            )
+        if self.mode == "strict":
+            flag = torch.tensor([0 if same else 1], dtype=torch.int32, device=out.device)
+            if group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if int(flag.item()):
+                raise RuntimeError(
+                    f"UniEP guard (strict): layer {layer} at step {step} is not bitwise equal to the "
+                    "non-overlapped schedule on at least one EP rank. Set [uniep] guard = \"check\" to log "
+                    "and continue, or schedule = \"sequential\" to train without overlap."
+                )
+
+
+# The schedule the guard recomputes with: same kernels, no overlap. The
+# reference schedule has no overlapped variant, so the guard then checks
+# run-to-run determinism.
+_NON_OVERLAPPED = {"fused": "sequential", "sequential": "sequential", "reference": "reference"}
+
+
+class UniEPGroupedExperts(GroupedExperts):
+    """TorchTitan's GroupedExperts (same w1/w2/w3, same FQNs) run by a UniEP schedule.
+
+    ``forward(x, routing)`` takes this rank's ``(T, D)`` tokens and the
+    router's decision and returns their combined routed-expert output
+    ``(T, D)``: dispatch, expert FFN and combine all happen inside. The EP
+    group and schedule are set by ``titan_uniep.parallelize``.
+    """
+
+    # Set by the parallelize hook after the class swap (see parallelize.py).
+    ep_group: dist.ProcessGroup | None
+    schedule: str
+    score_before_experts: bool
+    guard: BitwiseGuard | None
+    layer_name: str
+
+    def configure(self, *, schedule: str, score_before_experts: bool, layer_name: str) -> None:
+        self.ep_group = None
+        self.schedule = schedule
+        self.score_before_experts = score_before_experts
+        self.guard = None
+        self.layer_name = layer_name
+
+    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if isinstance(self.w1, DTensor):
+            # Expert weights are Shard(0) on the EP mesh: the local shard is
+            # exactly this rank's experts, as in TorchTitan's GroupedExperts.
+            return self.w1.to_local(), self.w2.to_local(), self.w3.to_local()
+        return self.w1, self.w2, self.w3
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # type: ignore[override]
+        if self.ep_group is None:
+            raise RuntimeError(
+                f"{self.layer_name}: UniEP experts have no EP group; they must be parallelized by "
+                "titan_uniep.parallelize (set parallelism.expert_parallel_degree > 1)"
+            )
+        w1, w2, w3 = self._local_weights()
+        run = get_schedule(self.schedule)
+        out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts)
+        if self.guard is not None and self.guard.due():
+            with torch.no_grad():
+                again = get_schedule(_NON_OVERLAPPED[self.schedule])(
+                    x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts
+                )
+            self.guard.compare(out.detach(), again, self.layer_name, self.ep_group)
+        return out
+
+
+class UniEPMoE(MoE):
+    """TorchTitan's MoE whose routed experts run through UniEP.
+
+    Same submodules, parameters and buffers as ``MoE`` (the parallelize hook
+    swaps the class of an existing instance); the forward differs only in
+    handing the router's decision to the experts instead of reordering tokens
+    itself.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected_experts_indices, num_tokens_per_expert = self.router(x, self.expert_bias)
+        # As TorchTitan's MoE: feeds the expert-bias update of the
+        # load-balancing optimizer hook (and expert-usage metrics).
+        with torch.no_grad():
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+
+        routed = self.experts(x, Routing(top_scores, selected_experts_indices))
+        if self.shared_experts is None:
+            return routed.reshape(bs, slen, dim)
+        return (self.shared_experts(x) + routed).reshape(bs, slen, dim)

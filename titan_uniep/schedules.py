@@ -1,0 +1,208 @@
+"""The schedules of one MoE layer's expert-parallel path.
+
+A schedule maps this rank's tokens, their routing and this rank's local
+expert weights to the combined routed-expert output of its tokens:
+
+    out[t] = sum_{k=0..K-1} combine(score[t, k], FFN_{e[t, k]}(x[t]))
+
+with ``FFN_e(x) = w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``, and the score
+applied to the FFN's input (``score_before_experts``, TorchTitan's
+``(x.float() * s).to(x.dtype)``) or to its output (in fp32). The K
+contributions are summed in the fixed order k = 0..K-1 in fp32.
+
+Every schedule places rows with ``titan_uniep.layout`` and nothing else.
+
+- ``reference``: torch collectives (NCCL on GPU, gloo on CPU) into the layout,
+  one matmul per local expert, autograd through torch. Runs anywhere; the
+  oracle the kernels are tested against. It synchronises with the host once
+  per layer (the all-to-all split sizes), like TorchTitan's own EP.
+- ``sequential`` / ``fused``: UniEP's Triton kernels (``titan_uniep.fused``),
+  registered by ``register_schedule`` when they are importable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import importlib.util
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_tensor, all_to_all_single_autograd
+
+from titan_uniep.layout import RouteLayout, compute_layout, count_per_expert
+
+__all__ = [
+    "Routing",
+    "Schedule",
+    "available_schedules",
+    "combine_over_k",
+    "exchange_counts",
+    "get_schedule",
+    "reference_schedule",
+    "register_schedule",
+]
+
+
+class Routing:
+    """The router's decision for this rank's ``T`` tokens.
+
+    - ``top_scores``: ``(T, K)`` float32 gating scores.
+    - ``selected_experts_indices``: ``(T, K)`` int64 global expert ids.
+
+    A plain class on purpose, not a tuple or dataclass: FSDP2's mixed
+    precision casts floating-point tensors it finds in a module's forward
+    arguments (tuples, lists, dicts and dataclasses included) to the param
+    dtype, and TorchTitan applies router scores in float32.
+    """
+
+    __slots__ = ("top_scores", "selected_experts_indices")
+
+    def __init__(self, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
+        if top_scores.shape != selected_experts_indices.shape or top_scores.dim() != 2:
+            raise ValueError(
+                "top_scores and selected_experts_indices must both be (T, K); got "
+                f"{tuple(top_scores.shape)} and {tuple(selected_experts_indices.shape)}"
+            )
+        self.top_scores = top_scores
+        self.selected_experts_indices = selected_experts_indices
+
+
+class Schedule(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        routing: Routing,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        *,
+        group: dist.ProcessGroup,
+        score_before_experts: bool,
+    ) -> torch.Tensor: ...
+
+
+def combine_over_k(rows: torch.Tensor, top_scores: torch.Tensor, score_before_experts: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """Sum a token's K expert rows in the fixed order k = 0..K-1, in fp32.
+
+    Args:
+        rows: ``(T, K, D)`` expert outputs of each copy, back on its source rank.
+        top_scores: ``(T, K)`` float32; applied here unless ``score_before_experts``.
+    Returns:
+        ``(T, D)`` in ``out_dtype``.
+    """
+    num_tokens, top_k, dim = rows.shape
+    acc = torch.zeros(num_tokens, dim, dtype=torch.float32, device=rows.device)
+    for k in range(top_k):
+        row = rows[:, k].to(torch.float32)
+        acc = acc + (row if score_before_experts else top_scores[:, k : k + 1].to(torch.float32) * row)
+    return acc.to(out_dtype)
+
+
+def exchange_counts(selected_experts_indices: torch.Tensor, num_experts: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather every rank's per-expert copy counts: ``(W, E) int64``."""
+    counts = count_per_expert(selected_experts_indices, num_experts)
+    world = dist.get_world_size(group)
+    gathered = torch.ops._c10d_functional.wait_tensor(all_gather_tensor(counts, 0, group))
+    return gathered.view(world, num_experts)
+
+
+def expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+    """``FFN_e`` on each local expert's contiguous rows (expert-major buffer)."""
+    outs = []
+    for e, chunk in enumerate(torch.split(rows, rows_per_expert)):
+        h = F.silu(chunk @ w1[e].transpose(0, 1)) * (chunk @ w3[e].transpose(0, 1))
+        outs.append(h @ w2[e].transpose(0, 1))
+    if not outs:
+        return rows.new_empty(0, w2.shape[1])
+    return torch.cat(outs)
+
+
+def reference_schedule(
+    x: torch.Tensor,
+    routing: Routing,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    score_before_experts: bool,
+) -> torch.Tensor:
+    """Dispatch, expert FFN and combine with torch collectives, in UniEP's layout.
+
+    Args:
+        x: ``(T, D)`` this rank's tokens.
+        routing: the router's ``(T, K)`` scores and expert ids.
+        w1, w3: ``(El, H, D)``; w2: ``(El, D, H)``: this rank's local experts.
+        group: the EP process group (``W`` ranks, ``E = W * El`` experts).
+        score_before_experts: see the module docstring.
+    Returns:
+        ``(T, D)`` in ``x.dtype``; differentiable w.r.t. x, scores and weights.
+    """
+    top_scores, indices = routing.top_scores, routing.selected_experts_indices
+    num_tokens, top_k = indices.shape
+    num_experts = w1.shape[0] * dist.get_world_size(group)
+    counts_all = exchange_counts(indices, num_experts, group)
+    layout = compute_layout(indices, counts_all, dist.get_rank(group))
+
+    # The one host sync of this schedule: all_to_all_single needs split sizes.
+    send_counts, recv_counts, rows_per_expert = (
+        layout.send_counts.tolist(),
+        layout.recv_counts.tolist(),
+        layout.tokens_per_local_expert.tolist(),
+    )
+    recv_rows = sum(recv_counts)
+
+    send_rows = x[torch.div(layout.send_order, top_k, rounding_mode="floor")]
+    if score_before_experts:
+        send_rows = (send_rows.to(torch.float32) * top_scores.reshape(-1, 1)[layout.send_order]).to(x.dtype)
+    stream = all_to_all_single_autograd(send_rows, recv_counts, send_counts, group)
+
+    stream_slot = layout.stream_slots(recv_rows)
+    slot_to_stream = torch.empty_like(stream_slot)
+    slot_to_stream[stream_slot] = torch.arange(recv_rows, device=x.device)
+    expert_rows = stream[slot_to_stream]  # expert-major receive buffer
+    expert_out = expert_ffn(expert_rows, w1, w2, w3, rows_per_expert)
+
+    back = all_to_all_single_autograd(expert_out[stream_slot], send_counts, recv_counts, group)
+    copy_to_back = torch.empty_like(layout.send_order)
+    copy_to_back[layout.send_order] = torch.arange(layout.send_order.numel(), device=x.device)
+    rows = back[copy_to_back].view(num_tokens, top_k, -1)
+    return combine_over_k(rows, top_scores, score_before_experts, x.dtype)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    fn: Schedule
+    needs_cuda: bool
+
+
+_SCHEDULES: dict[str, _Entry] = {"reference": _Entry(reference_schedule, needs_cuda=False)}
+
+
+def register_schedule(name: str, fn: Schedule, *, needs_cuda: bool) -> None:
+    """Make ``[uniep] schedule = name`` run ``fn`` (the kernels register theirs)."""
+    _SCHEDULES[name] = _Entry(fn, needs_cuda)
+
+
+def available_schedules() -> dict[str, bool]:
+    """Registered schedule names -> whether each needs CUDA."""
+    _load_kernel_schedules()
+    return {name: entry.needs_cuda for name, entry in _SCHEDULES.items()}
+
+
+def get_schedule(name: str) -> Schedule:
+    _load_kernel_schedules()
+    if name not in _SCHEDULES:
+        raise ValueError(
+            f"[uniep] schedule = {name!r} is not available in this build; available: {sorted(_SCHEDULES)}"
+        )
+    return _SCHEDULES[name].fn
+
+
+def _load_kernel_schedules() -> None:
+    # The kernel schedules live in titan_uniep.fused and register themselves
+    # on import; importing lazily keeps the reference path free of Triton.
+    if importlib.util.find_spec("titan_uniep.fused") is not None:
+        import titan_uniep.fused  # noqa: F401
