@@ -78,7 +78,9 @@ class BitwiseGuard:
         self._last_checked_step = step
         self.checks += 1
         same = torch.equal(out, again)
-        if not same:
+        if same:
+            logger.info("UniEP guard: layer %s step %d: bitwise equal to the non-overlapped schedule", layer, step)
+        else:
             self.mismatches += 1
             diff = (out.float() - again.float()).abs()
             logger.warning(
@@ -145,7 +147,7 @@ class UniEPGroupedExperts(GroupedExperts):
         out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts)
         if self.guard is not None and self.guard.due():
             with torch.no_grad():
-                again = get_schedule(_NON_OVERLAPPED[self.schedule])(
+                again = get_schedule(_NON_OVERLAPPED.get(self.schedule, self.schedule))(
                     x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts
                 )
             self.guard.compare(out.detach(), again, self.layer_name, self.ep_group)
