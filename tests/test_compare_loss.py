@@ -1,0 +1,120 @@
+"""titan_uniep.compare_loss: parsing, verdicts and exit codes (no training)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from titan_uniep.compare_loss import compare, load_run, main
+
+LOSSES = [8.080501556396484, 7.932784557342529, 7.349606513977051]
+
+
+def write_dump(folder, losses, start=1):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "loss.jsonl", "w") as f:
+        for step, loss in enumerate(losses, start):
+            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": 1.0, "time": 0.1 * step}) + "\n")
+    return folder
+
+
+def write_log(path, losses, colour=False):
+    red, green, reset = ("\x1b[31m", "\x1b[32m", "\x1b[39m") if colour else ("", "", "")
+    lines = ["[rank0]:[titan] 2026-01-01 00:00:00,000 - root - INFO - Training starts at step 1"]
+    for step, loss in enumerate(losses, 1):
+        lines.append(
+            f"[rank0]:[titan] 2026-01-01 00:00:0{step},000 - root - INFO - {red}step: {step:2}  "
+            f"{green}loss: {loss:8.5f}  grad_norm:  1.0000  memory:  1.24GiB(5.29%)  tps: 268{reset}"
+        )
+        lines.append(f"[rank0]:[titan] - root - INFO - validate step: {step:2}  loss:  1.00000  memory: 0GiB")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_main(*argv):
+    return main([str(a) for a in argv])
+
+
+def test_log_parsing_strips_colours_and_skips_validation_lines(tmp_path):
+    run = load_run(write_log(tmp_path / "train.log", LOSSES, colour=True))
+    assert not run.exact
+    assert run.losses == {1: 8.0805, 2: 7.93278, 3: 7.34961}
+
+
+def test_dump_folder_keeps_exact_floats_and_last_value_of_a_repeated_step(tmp_path):
+    folder = write_dump(tmp_path / "run", LOSSES)
+    with open(folder / "loss.jsonl", "a") as f:  # a resumed run logs step 3 again
+        f.write(json.dumps({"step": 3, "loss": 7.0}) + "\n")
+    run = load_run(folder)
+    assert run.exact
+    assert run.losses == {1: LOSSES[0], 2: LOSSES[1], 3: 7.0}
+    assert load_run(folder / "loss.jsonl").losses == run.losses
+
+
+def test_identical_dumps_are_bitwise_equal_and_exit_zero(tmp_path, capsys):
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", LOSSES)
+    assert run_main(a, b, "--assert-bitwise", "--plot", tmp_path / "p.png") == 0
+    out = capsys.readouterr().out
+    assert "verdict: bitwise equal" in out
+    assert "8.08050156" in out  # 9 significant digits, enough to tell float32 neighbours apart
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_one_float32_ulp_fails_assert_bitwise(tmp_path, capsys):
+    nudged = list(LOSSES)
+    nudged[1] = float(np.nextafter(np.float32(LOSSES[1]), np.float32(10)))
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", nudged)
+    assert run_main(a, b, "--assert-bitwise", "--plot", tmp_path / "p.png") == 1
+    assert "NOT bitwise equal" in capsys.readouterr().out
+    # Without an assertion the same comparison only reports.
+    assert run_main(a, b, "--plot", tmp_path / "p.png") == 0
+
+
+def test_rtol_and_atol_bound_the_difference(tmp_path):
+    shifted = [x * (1 + 1e-4) for x in LOSSES]
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", shifted)
+    plot = ("--plot", tmp_path / "p.png")
+    assert run_main(a, b, "--rtol", "1e-3", *plot) == 0
+    assert run_main(a, b, "--rtol", "1e-5", *plot) == 1
+    assert run_main(a, b, "--atol", "1e-2", *plot) == 0
+    assert run_main(a, b, "--atol", "1e-6", *plot) == 1
+
+
+def test_logs_claim_only_five_decimal_equality(tmp_path, capsys):
+    almost = [x + 1e-7 for x in LOSSES]  # same 5-decimal text, different floats
+    log = write_log(tmp_path / "a.log", LOSSES)
+    dump = write_dump(tmp_path / "b", almost)
+    result = compare(load_run(log), load_run(dump))
+    assert result.bitwise and not result.exact
+    assert run_main(log, dump, "--plot", tmp_path / "p.png") == 0
+    assert "equal to 5 decimals" in capsys.readouterr().out
+    # A bitwise claim cannot be made from a log, so asking for one is an error.
+    assert run_main(log, dump, "--assert-bitwise", "--plot", tmp_path / "p.png") == 2
+
+
+def test_different_step_sets_exit_two(tmp_path, capsys):
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", LOSSES[:2])
+    assert run_main(a, b, "--plot", tmp_path / "p.png") == 2
+    assert "only in a: [3]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make_b", ["empty_dump", "log_without_steps", "missing"])
+def test_nothing_to_compare_exits_two(tmp_path, make_b):
+    a = write_dump(tmp_path / "a", LOSSES)
+    b = tmp_path / "b"
+    if make_b == "empty_dump":
+        b.mkdir()
+        (b / "loss.jsonl").write_text("")
+    elif make_b == "log_without_steps":
+        b = tmp_path / "b.log"
+        b.write_text("Training starts at step 1\nTraceback (most recent call last):\n")
+    assert run_main(a, b, "--assert-bitwise") == 2
+
+
+def test_plot_goes_next_to_run_b_by_default(tmp_path):
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", LOSSES)
+    assert run_main(a, b, "--labels", "baseline", "uniep") == 0
+    assert (b / "loss_compare.png").is_file()
+    log = write_log(tmp_path / "b.log", LOSSES)
+    assert run_main(a, log) == 0
+    assert (tmp_path / "b_loss_compare.png").is_file()

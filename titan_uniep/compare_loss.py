@@ -1,0 +1,214 @@
+"""Compare the loss curves of two training runs, step by step.
+
+    python -m titan_uniep.compare_loss RUN_A RUN_B [--assert-bitwise]
+        [--rtol X] [--atol X] [--plot out.png] [--labels A B]
+
+A run is a dump folder (its ``loss.jsonl``, written by ``titan_uniep.train``:
+exact float losses) or a file: a ``loss.jsonl`` or a TorchTitan log, whose
+``step: N  loss: X.XXXXX`` lines carry only 5 decimals, so from a log only
+"equal to 5 decimals" can be claimed, never bitwise equality.
+
+Prints a per-step table, the largest absolute and relative differences and a
+verdict, and writes a plot of both curves and their difference (default:
+``loss_compare.png`` next to RUN_B). Exit status: 0 when the runs agree as
+asked, 1 when they differ beyond ``--assert-bitwise`` / ``--rtol`` /
+``--atol``, 2 when they cannot be compared (no losses, different steps, or
+``--assert-bitwise`` on a log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LOSS_FILE = "loss.jsonl"
+PLOT_FILE = "loss_compare.png"
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Training lines only: "validate step: N  loss: X" (metrics.py:505) is another curve.
+_LOG_LINE = re.compile(r"(?<!validate )\bstep:\s*(\d+)\s+loss:\s*([-+]?(?:nan|inf|[0-9.]+(?:e[-+]?\d+)?))", re.IGNORECASE)
+
+
+@dataclass
+class Run:
+    losses: dict[int, float]
+    """step -> loss; a step logged twice (a resumed run) keeps its last value."""
+    exact: bool
+    """True when the losses are the exact floats (loss.jsonl), False for 5-decimal log text."""
+    source: Path
+
+
+@dataclass
+class Comparison:
+    steps: list[int]
+    """Steps present in both runs, ascending."""
+    only_a: list[int]
+    only_b: list[int]
+    max_abs: float
+    max_rel: float
+    bitwise: bool
+    """Every common step has the same float (the 5-decimal text when either run is a log)."""
+    exact: bool
+    """Both runs carry exact floats, so ``bitwise`` is a bitwise claim."""
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a dump folder, a loss.jsonl or a TorchTitan log (colour codes allowed)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / LOSS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; pass a dump folder with {LOSS_FILE}, a {LOSS_FILE} or a log")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    first = text.lstrip()[:1]
+    if first == "{":
+        losses = {}
+        for line in text.splitlines():
+            if line.strip():
+                record = json.loads(line)
+                losses[int(record["step"])] = float(record["loss"])
+        return Run(losses, exact=True, source=path)
+    losses = {int(m.group(1)): float(m.group(2)) for m in _LOG_LINE.finditer(_ANSI.sub("", text))}
+    return Run(losses, exact=False, source=path)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _rel(a: float, b: float) -> float:
+    if _same(a, b):
+        return 0.0
+    return abs(b - a) / abs(a) if a != 0 else math.inf
+
+
+def compare(a: Run, b: Run) -> Comparison:
+    steps = sorted(a.losses.keys() & b.losses.keys())
+    exact = a.exact and b.exact
+    pairs = [(a.losses[s], b.losses[s]) for s in steps]
+    if not exact:  # a log has 5 decimals: compare what both actually say
+        pairs = [(round(x, 5), round(y, 5)) for x, y in pairs]
+    return Comparison(
+        steps=steps,
+        only_a=sorted(a.losses.keys() - b.losses.keys()),
+        only_b=sorted(b.losses.keys() - a.losses.keys()),
+        max_abs=max((0.0 if _same(x, y) else abs(y - x) for x, y in pairs), default=0.0),
+        max_rel=max((_rel(x, y) for x, y in pairs), default=0.0),
+        bitwise=all(_same(x, y) for x, y in pairs),
+        exact=exact,
+    )
+
+
+def within(a: Run, b: Run, steps: list[int], rtol: float, atol: float) -> bool:
+    """``|b - a| <= atol + rtol * |a|`` on every step (NaN only matches NaN)."""
+    return all(
+        _same(a.losses[s], b.losses[s]) or abs(b.losses[s] - a.losses[s]) <= atol + rtol * abs(a.losses[s])
+        for s in steps
+    )
+
+
+def format_table(a: Run, b: Run, steps: list[int], labels: tuple[str, str]) -> str:
+    digits = ".9g" if a.exact and b.exact else ".5f"  # 9 significant digits round-trip a float32
+    rows = [f"{'step':>6}  {labels[0]:>14}  {labels[1]:>14}  {'abs diff':>10}  {'rel diff':>10}"]
+    for s in steps:
+        x, y = a.losses[s], b.losses[s]
+        diff = 0.0 if _same(x, y) else abs(y - x)
+        rows.append(f"{s:>6}  {x:>14{digits}}  {y:>14{digits}}  {diff:>10.3e}  {_rel(x, y):>10.3e}")
+    return "\n".join(rows)
+
+
+def plot(a: Run, b: Run, steps: list[int], labels: tuple[str, str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on training machines
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(2, 1))
+    for run, label, style in ((a, labels[0], "-"), (b, labels[1], "--")):
+        xs = sorted(run.losses)
+        top.plot(xs, [run.losses[s] for s in xs], style, label=label)
+    top.set_ylabel("loss")
+    top.legend()
+    top.grid(alpha=0.3)
+    bottom.plot(steps, [b.losses[s] - a.losses[s] for s in steps], color="tab:red")
+    bottom.axhline(0.0, color="black", linewidth=0.5)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(f"{labels[1]} - {labels[0]}")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _default_plot_path(run_b: str) -> Path:
+    path = Path(run_b)
+    return path / PLOT_FILE if path.is_dir() else path.with_name(f"{path.stem}_{PLOT_FILE}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_uniep.compare_loss", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_a", help="reference run: dump folder, loss.jsonl or TorchTitan log")
+    parser.add_argument("run_b", help="run to check against it, same forms")
+    parser.add_argument("--assert-bitwise", action="store_true", help="exit 1 unless every common step has the same float")
+    parser.add_argument("--rtol", type=float, help="exit 1 unless |b - a| <= atol + rtol * |a| on every step")
+    parser.add_argument("--atol", type=float, help="absolute part of that bound (default 0)")
+    parser.add_argument("--plot", type=Path, help=f"PNG to write (default: {PLOT_FILE} next to RUN_B)")
+    parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names for the two runs")
+    args = parser.parse_args(argv)
+
+    try:
+        a, b = load_run(args.run_a), load_run(args.run_b)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    labels = tuple(args.labels) if args.labels else (Path(args.run_a).name or "A", Path(args.run_b).name or "B")
+    result = compare(a, b)
+
+    if result.steps:
+        print(format_table(a, b, result.steps, labels))
+        print(f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e} over {len(result.steps)} steps")
+        out = args.plot or _default_plot_path(args.run_b)
+        plot(a, b, result.steps, labels, out)
+        print(f"plot: {out}")
+
+    status = 0
+    if not result.steps:
+        print(f"error: no common steps ({a.source}: {len(a.losses)} losses, {b.source}: {len(b.losses)})", file=sys.stderr)
+        return 2
+    if result.only_a or result.only_b:
+        print(f"error: different steps: only in {labels[0]}: {result.only_a}, only in {labels[1]}: {result.only_b}",
+              file=sys.stderr)
+        status = 2
+
+    if result.exact:
+        print("verdict: bitwise equal" if result.bitwise else "verdict: NOT bitwise equal")
+    else:
+        print(f"verdict: {'equal' if result.bitwise else 'NOT equal'} to 5 decimals "
+              "(a log carries 5 decimals: bitwise equality needs loss.jsonl from both runs)")
+
+    if args.assert_bitwise:
+        if not result.exact:
+            print("error: --assert-bitwise needs exact losses; pass dump folders (loss.jsonl), not logs", file=sys.stderr)
+            return 2
+        if not result.bitwise:
+            status = max(status, 1)
+    if args.rtol is not None or args.atol is not None:
+        rtol, atol = args.rtol or 0.0, args.atol or 0.0
+        ok = within(a, b, result.steps, rtol, atol)
+        print(f"tolerance rtol={rtol:g} atol={atol:g}: {'within' if ok else 'EXCEEDED'}")
+        if not ok:
+            status = max(status, 1)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

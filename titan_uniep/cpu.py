@@ -1,0 +1,146 @@
+"""Let TorchTitan 0.2.2 train on a machine without a GPU (gloo, one process per core).
+
+TorchTitan 0.2.2 assumes an accelerator in a few places; each shim below
+works around exactly one of them and names the line it works around.
+``apply_cpu_shims`` does nothing where CUDA is available, so GPU runs are
+untouched. They exist so the end-to-end path (config -> train spec ->
+parallelize -> FSDP x EP over gloo -> loss curve) is testable on CPU-only
+CI and dev machines; numbers from such runs say nothing about GPU speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import resource
+from types import SimpleNamespace
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+_applied = False
+
+
+class _CpuDeviceModule:
+    """Stands in for ``torch.cuda`` where TorchTitan calls it unconditionally.
+
+    tools/utils.py:37 picks ``device_type = _get_available_device_type() or
+    "cuda"``, so without a GPU every ``device_module.*`` call below lands on
+    torch.cuda and fails. ``torch.cpu`` lacks the memory-statistics calls, and
+    ``torch.cpu.current_device()`` returns "cpu", which the barrier in
+    ``set_pg_timeouts`` (distributed/utils.py:386) cannot turn into a device.
+    """
+
+    @staticmethod
+    def set_device(device: torch.device) -> None:  # train.py:90
+        pass
+
+    @staticmethod
+    def current_device() -> int:  # metrics.py:46, distributed/utils.py:386
+        return 0
+
+    @staticmethod
+    def synchronize(device: torch.device | None = None) -> None:  # distributed/utils.py:387
+        pass
+
+    @staticmethod
+    def get_device_name(device: torch.device | None = None) -> str:  # metrics.py:45
+        return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+    @staticmethod
+    def get_device_properties(device: torch.device | None = None) -> SimpleNamespace:  # metrics.py:47
+        return SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device: torch.device | None = None) -> dict:  # metrics.py:65
+        # The process's peak resident set: a whole-process figure that is
+        # never reset, but enough to see a CPU run's memory grow.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: torch.device | None = None) -> None:  # metrics.py:52,95
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:  # metrics.py:53
+        pass
+
+
+def _use_cpu_device() -> None:
+    # These modules bound ``device_type``/``device_module`` at import
+    # (``from torchtitan.tools.utils import ...``), so each needs its own copy.
+    from torchtitan.components import metrics
+    from torchtitan.distributed import parallel_dims, utils as dist_utils
+    from torchtitan.tools import profiling, utils
+
+    for module in (utils, metrics, parallel_dims, dist_utils, profiling):
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"  # init_distributed then picks gloo (distributed/utils.py:328)
+        if hasattr(module, "device_module"):
+            module.device_module = _CpuDeviceModule
+
+
+def _histc_integer_on_cpu() -> None:
+    # models/moe/moe.py:348 and :399 count tokens per expert with torch.histc
+    # on int64 expert ids; the CPU kernel has no integer version (CUDA does).
+    # Counts are small integers, exact in float32.
+    histc = torch.histc
+
+    @functools.wraps(histc)
+    def histc_any_dtype(input, bins=100, min=0, max=0, *, out=None):
+        if out is None and input.device.type == "cpu" and not input.is_floating_point():
+            return histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+        return histc(input, bins=bins, min=min, max=max, out=out)
+
+    torch.histc = histc_any_dtype
+
+
+def _permute_indices_on_cpu() -> None:
+    # ExpertParallel's token dispatch calls _permute (models/moe/utils.py:47),
+    # which calls the Triton version of generate_permute_indices unless
+    # use_cpu=True; TorchTitan never passes it.
+    from torchtitan.models.moe import kernels, utils as moe_utils
+
+    moe_utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+
+
+def _fsdp_sum_only_reductions() -> None:
+    # apply_fsdp ends with disable_fsdp_gradient_division (llama3/infra/
+    # parallelize.py:284, reused by llama4, deepseek_v3 and qwen3), which sets
+    # divide factor 1.0; FSDP then reduce-scatters with ReduceOp.PREMUL_SUM
+    # (or AVG when the factor equals the group size), and gloo has neither.
+    # Forcing SUM-only comms keeps the math (a post-division by 1.0).
+    from torchtitan.models.llama3.infra import parallelize as llama3_parallelize
+    from torchtitan.models.llama4.infra import parallelize as llama4_parallelize
+
+    disable_division = llama3_parallelize.disable_fsdp_gradient_division
+
+    def disable_division_with_sum_only_comms(model: torch.nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    # llama4's module imported the function by name, so it holds its own reference.
+    llama3_parallelize.disable_fsdp_gradient_division = disable_division_with_sum_only_comms
+    llama4_parallelize.disable_fsdp_gradient_division = disable_division_with_sum_only_comms
+
+
+def apply_cpu_shims() -> bool:
+    """Apply every shim once if CUDA is unavailable; return whether they are active.
+
+    Call it before ``torchtitan.train.Trainer`` is constructed. A no-op (False)
+    on machines with CUDA.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if not _applied:
+        _use_cpu_device()
+        _histc_integer_on_cpu()
+        _permute_indices_on_cpu()
+        _fsdp_sum_only_reductions()
+        _applied = True
+    return True

@@ -1,0 +1,73 @@
+"""TorchTitan's trainer plus a loss file, on GPU or, without one, on CPU.
+
+``./run_train.sh`` runs ``torchrun ... -m titan_uniep.train --job.config_file X``.
+Training itself is ``torchtitan.train.main`` unchanged; this adds:
+
+- the CPU shims (``titan_uniep.cpu``) when CUDA is unavailable;
+- offline mode for the Hugging Face libraries (the data is bundled);
+- ``<job.dump_folder>/loss.jsonl``, written by rank 0: one line per logged step,
+  ``{"step": N, "loss": L, "max_loss": M, "grad_norm": G, "time": T}``, where L
+  is the exact float TorchTitan prints with 5 decimals (global average loss
+  over all valid tokens of the step), M the largest per-rank average, and T
+  the seconds since the trainer finished building. ``python -m
+  titan_uniep.compare_loss RUN_A RUN_B`` compares two such files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from torchtitan.train import Trainer, main as torchtitan_main
+
+from titan_uniep.cpu import apply_cpu_shims
+
+LOSS_FILE = "loss.jsonl"
+
+
+class LossRecordingTrainer(Trainer):
+    """``Trainer`` whose metrics logging also appends to ``loss.jsonl`` on rank 0.
+
+    It wraps ``metrics_processor.log`` on this one instance, the call where
+    TorchTitan already holds the all-reduced loss as a Python float, so the
+    recorded value is the logged one and training does no extra collective.
+    """
+
+    def __init__(self, job_config):
+        super().__init__(job_config)
+        if torch.distributed.get_rank() != 0:
+            return
+        self._loss_path = os.path.join(job_config.job.dump_folder, LOSS_FILE)
+        self._start = time.perf_counter()
+        log = self.metrics_processor.log
+
+        def log_and_record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+            self._record(step, global_avg_loss, global_max_loss, grad_norm)
+
+        self.metrics_processor.log = log_and_record
+
+    def _record(self, step: int, loss: float, max_loss: float, grad_norm: float) -> None:
+        # Step 1 starts a fresh file, so rerunning into the same dump folder
+        # does not mix two runs; a run resumed from a checkpoint appends.
+        mode = "w" if step == 1 else "a"
+        os.makedirs(os.path.dirname(self._loss_path) or ".", exist_ok=True)
+        line = {"step": step, "loss": float(loss), "max_loss": float(max_loss),
+                "grad_norm": float(grad_norm), "time": round(time.perf_counter() - self._start, 4)}
+        with open(self._loss_path, mode, encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def main() -> None:
+    # Everything a run reads is local (bundled corpus and tokenizer); fail
+    # instead of waiting on a network that training machines do not have.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    apply_cpu_shims()
+    torchtitan_main(LossRecordingTrainer)
+
+
+if __name__ == "__main__":
+    main()
