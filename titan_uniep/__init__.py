@@ -6,7 +6,8 @@ train config) registers, through TorchTitan's own registries:
 - the train specs ``deepseek_v3_uniep``, ``qwen3_uniep`` and ``llama4_uniep``:
   the base model's spec with its parallelize_fn wrapped by
   ``titan_uniep.parallelize.wrap_parallelize_fn``;
-- the bundled offline dataset (``titan_uniep.data``).
+- the bundled offline dataset (``titan_uniep.data``) and the extra model
+  flavors of ``titan_uniep.flavors`` (realistic MoE layer shapes).
 
 The ``[uniep]`` section itself comes from ``[job] custom_config_module =
 "titan_uniep.config"``.
@@ -42,8 +43,10 @@ def _register_train_specs() -> None:
 
 def _register() -> None:
     from titan_uniep.data import register_dataset
+    from titan_uniep.flavors import register_flavors
 
     register_dataset()
+    register_flavors()
     _register_train_specs()
 
 
