@@ -197,10 +197,18 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
         sac_ops = _sac_save_list(base_parallelize_fn)
         if sac_ops is not None:
             # As TorchTitan does for its DeepEP ops: selective AC saves the
-            # collectives' outputs instead of re-running the exchange.
+            # exchange's outputs instead of re-running it in backward.
             sac_ops.add(torch.ops._c10d_functional.all_gather_into_tensor.default)
+            if cfg.schedule != "reference":
+                sac_ops.add(torch.ops.uniep.moe_experts.default)
         with _uniep_expert_parallel_plan():
             model = base_parallelize_fn(model, parallel_dims, job_config)
+        if cfg.schedule != "reference":
+            from titan_uniep.ops import reserve_tokens
+
+            # Tokens per rank per MoE call: the microbatch (CP splits the sequence).
+            tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp
+            reserve_tokens(swapped[0][1].experts.ep_group, tokens)
         model.uniep_guard = _install_guard(model, swapped, cfg, parallel_dims, job_config)
         logger.info(
             "UniEP: %d MoE layers on schedule %r (EP degree %d)", len(swapped), cfg.schedule, parallel_dims.ep

@@ -17,7 +17,7 @@ Every schedule places rows with ``titan_uniep.layout`` and nothing else.
   oracle the kernels are tested against. It synchronises with the host once
   per layer (the all-to-all split sizes), like TorchTitan's own EP.
 - ``sequential`` / ``fused``: UniEP's Triton kernels (``titan_uniep.fused``),
-  registered by ``register_schedule`` when they are importable.
+  registered by ``titan_uniep.ops`` as a custom op with autograd.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def get_schedule(name: str) -> Schedule:
 
 
 def _load_kernel_schedules() -> None:
-    # The kernel schedules live in titan_uniep.fused and register themselves
-    # on import; importing lazily keeps the reference path free of Triton.
-    if importlib.util.find_spec("titan_uniep.fused") is not None:
-        import titan_uniep.fused  # noqa: F401
+    # The kernel schedules register themselves when titan_uniep.ops is
+    # imported; importing lazily keeps the reference path free of Triton.
+    if importlib.util.find_spec("titan_uniep.ops") is not None:
+        import titan_uniep.ops  # noqa: F401

@@ -1,0 +1,164 @@
+"""Real-EP checks of UniEP's forward (one process per GPU, symmetric memory).
+
+Launched by ``test_gpu_ep.py`` as
+``torchrun --standalone --nproc_per_node N tests/gpu/ep_worker.py``. Each check
+raises on failure; rank 0 prints ``EP WORKER OK`` at the end.
+
+1. fused == sequential bitwise, and both close to the float64 reference, for
+   score before/after, skewed routing and a rank with no tokens, on one
+   workspace reused by every call;
+2. no device-to-host sync on the fused path (sync debug mode "error");
+3. CUDA graph: capture once, replay with new inputs and routing, bitwise equal
+   to eager;
+4. a rank that never sends: every rank gets a clear RuntimeError, no hang.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from titan_uniep.fused import moe_forward
+from titan_uniep.kernels import default_config
+from titan_uniep.reference_math import float64_moe_reference
+from titan_uniep.symm import Workspace
+
+DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 16, 4, 1000
+
+
+def log(msg):
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def global_weights(dev):
+    gen = torch.Generator(device=dev).manual_seed(1234)  # same on every rank
+    w1 = (torch.randn(EXPERTS, HIDDEN, DIM, generator=gen, device=dev) * DIM**-0.5).bfloat16()
+    w3 = (torch.randn(EXPERTS, HIDDEN, DIM, generator=gen, device=dev) * DIM**-0.5).bfloat16()
+    w2 = (torch.randn(EXPERTS, DIM, HIDDEN, generator=gen, device=dev) * HIDDEN**-0.5).bfloat16()
+    return w1, w2, w3
+
+
+def routed_inputs(seed, num_tokens, dev, *, force=None):
+    gen = torch.Generator(device=dev).manual_seed(seed * 100 + dist.get_rank())
+    x = torch.randn(num_tokens, DIM, generator=gen, device=dev).bfloat16()
+    scores = torch.rand(num_tokens, TOP_K, generator=gen, device=dev)
+    idx = torch.rand(num_tokens, EXPERTS, generator=gen, device=dev).argsort(1)[:, :TOP_K]
+    if force is not None:
+        lacks = (idx != force).all(1)
+        idx[lacks, -1] = force
+    return x, scores, idx.contiguous()
+
+
+def local(w, rank, world):
+    el = EXPERTS // world
+    return w[rank * el:(rank + 1) * el].contiguous()
+
+
+def check_close(out, x, scores, idx, weights, score_before, what):
+    if x.shape[0] == 0:
+        return
+    exact = float64_moe_reference(x, scores, idx, *weights, score_before_experts=score_before)
+    scale = exact.abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    if err > 3e-2 * scale:
+        raise AssertionError(f"rank {dist.get_rank()} {what}: max error {err:.3g} vs scale {scale:.3g}")
+
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dev = torch.device("cuda", local_rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w1, w2, w3 = global_weights(dev)
+    mine = [local(w, rank, world) for w in (w1, w2, w3)]
+    ws = Workspace.for_group(group, num_tokens=TOKENS, dim=DIM, hidden=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+                             dtype=torch.bfloat16, device=dev)
+    log(f"workspace bytes per rank: {ws.memory_bytes()}")
+
+    # 1. correctness, bitwise schedules, several routings, one workspace
+    cases = [("balanced", TOKENS, None), ("skewed", TOKENS, 3), ("rank1_no_tokens", 0 if rank == 1 else 777, None)]
+    for seed, (name, num_tokens, force) in enumerate(cases):
+        x, scores, idx = routed_inputs(seed, num_tokens, dev, force=force)
+        for score_before in (False, True):
+            outs = {}
+            for combine in ("direct", "staged"):
+                for schedule in ("sequential", "fused"):
+                    ws.poison()
+                    outs[schedule, combine] = moe_forward(
+                        x, scores, idx, *mine, workspace=ws, schedule=schedule, score_before_experts=score_before,
+                        config=ws.config.replace(combine=combine), error_check="sync",
+                    )
+            first = outs["sequential", "direct"]
+            for key, out in outs.items():
+                if not torch.equal(first, out):
+                    raise AssertionError(f"rank {rank} {name}: {key} differs from sequential/direct")
+            check_close(first, x, scores, idx, (w1, w2, w3), score_before, name)
+        log(f"PASS real EP {name}: fused == sequential bitwise (direct and staged combine), close to float64")
+
+    # 2. no host sync on the fused path
+    x, scores, idx = routed_inputs(7, TOKENS, dev)
+    moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ws.check_errors()
+    check_close(out, x, scores, idx, (w1, w2, w3), False, "no-sync run")
+    log("PASS no device-to-host sync on the fused path")
+
+    # 3. CUDA graph: capture once, replay with new inputs and routing
+    sx, ss, si = routed_inputs(8, TOKENS, dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_forward(sx, ss, si, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe_forward(sx, ss, si, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+    for step in range(3):
+        x, scores, idx = routed_inputs(20 + step, TOKENS, dev, force=5 if step == 1 else None)
+        sx.copy_(x), ss.copy_(scores), si.copy_(idx)
+        graph.replay()
+        eager = moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+        torch.cuda.synchronize()
+        ws.check_errors()
+        if not torch.equal(static_out, eager):
+            raise AssertionError(f"rank {rank}: graph replay {step} differs from eager")
+        check_close(static_out, x, scores, idx, (w1, w2, w3), False, f"graph replay {step}")
+    del graph
+    log("PASS CUDA graph capture + replay with new routing == eager, bitwise")
+
+    # 4. a silent rank: clear error on every rank, bounded time
+    dist.barrier()
+    silent = default_config(world).replace(debug_silent_rank=world - 1, timeout_s=0.5)
+    broken = Workspace.for_group(group, num_tokens=TOKENS, dim=DIM, hidden=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+                                 dtype=torch.bfloat16, device=dev, config=silent)
+    x, scores, idx = routed_inputs(9, TOKENS, dev)
+    try:
+        moe_forward(x, scores, idx, *mine, workspace=broken, schedule="fused", score_before_experts=False,
+                    error_check="sync")
+    except RuntimeError as err:
+        print(f"rank {rank} got the expected error: {err}", flush=True)
+        if f"EP rank {rank}" not in str(err):
+            raise AssertionError(f"rank {rank}: the error does not name this rank: {err}") from err
+    else:
+        raise AssertionError(f"rank {rank}: no error although rank {world - 1} never sent")
+    torch.cuda.synchronize()
+    dist.barrier()
+    log("PASS silent rank -> RuntimeError naming rank/task/counter on every rank")
+    log("EP WORKER OK")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""UniEP forward megakernels on a simulated world, on CPU (Triton interpreter).
+
+fp32 data (the interpreter's bf16 tl.dot is wrong; bf16 runs in tests/gpu/).
+Each test builds fresh random inputs and poisons every data buffer with NaN
+before every run, so a row read before it is written shows up.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from titan_uniep.fused import exchange_bytes, simulated_moe_forward
+from titan_uniep.kernels import interpreter_config
+from titan_uniep.kernels.sync import CTL_EPOCH
+from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
+from titan_uniep.reference_math import float64_moe_reference, layout_reference_forward
+from titan_uniep.symm import Workspace, WorkspaceShape, memory_bytes
+
+if torch.cuda.is_available():
+    pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
+if not isinstance(tl.standard.cdiv, InterpretedFunction):
+    # Triton was imported (e.g. by torchtitan in an earlier test module) before
+    # TRITON_INTERPRET was set, so its own jit helpers cannot run under the
+    # interpreter in this process: test_kernels_subprocess.py runs this file anew.
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1; run in a subprocess", allow_module_level=True)
+
+DIM, HIDDEN = 32, 48  # HIDDEN not a multiple of the 16-column tiles' 32: masked column blocks too
+
+
+def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, force=None):
+    """Random inputs of a simulated world. ``allowed``: experts a token may
+    pick; ``force``: an expert every token picks (skewed routing)."""
+    gen = torch.Generator().manual_seed(seed)
+    el = num_experts // world
+    w1 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
+    w3 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
+    w2 = torch.randn(num_experts, DIM, HIDDEN, generator=gen) / HIDDEN**0.5
+    allowed = torch.arange(num_experts) if allowed is None else torch.tensor(allowed)
+    xs, scores, indices = [], [], []
+    for t in num_tokens:
+        xs.append(torch.randn(t, DIM, generator=gen))
+        scores.append(torch.rand(t, top_k, generator=gen))
+        picked = allowed[torch.rand(t, len(allowed), generator=gen).argsort(1)][:, :top_k]
+        if force is not None:  # replace the last pick of tokens that lack ``force``
+            lacks = (picked != force).all(1)
+            picked[lacks, -1] = force
+        indices.append(picked.contiguous())
+    local = lambda w: [w[r * el:(r + 1) * el].contiguous() for r in range(world)]  # noqa: E731
+    return dict(xs=xs, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3,
+                w1s=local(w1), w2s=local(w2), w3s=local(w3))
+
+
+def run_both(world_inputs, *, score_before, workspace=None, config=None):
+    """Run sequential and fused on poisoned buffers; return both outputs."""
+    w = world_inputs
+    config = config or interpreter_config()
+    outs = {}
+    for schedule in ("sequential", "fused"):
+        if workspace is not None:
+            workspace.poison()
+        poisoned = [torch.full_like(x, float("nan")) for x in w["xs"]]
+        outs[schedule] = simulated_moe_forward(
+            w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+            score_before_experts=score_before, config=config, workspace=workspace, outs=poisoned,
+        )
+    return outs["sequential"], outs["fused"]
+
+
+def assert_correct(world_inputs, sequential, fused, *, score_before):
+    w = world_inputs
+    layout_ref = layout_reference_forward(
+        w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], score_before_experts=score_before
+    )
+    for r, (seq, fus) in enumerate(zip(sequential, fused)):
+        assert torch.equal(seq, fus), f"rank {r}: fused differs from sequential"
+        assert not torch.isnan(fus).any(), f"rank {r}: NaN in the output (a row was never written)"
+        exact = float64_moe_reference(
+            w["xs"][r], w["scores"][r], w["indices"][r], w["w1"], w["w2"], w["w3"], score_before_experts=score_before
+        )
+        torch.testing.assert_close(fus.double(), exact, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} vs float64: {m}")
+        torch.testing.assert_close(fus, layout_ref[r], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} vs layout ref: {m}")
+
+
+@pytest.mark.parametrize("combine", ["direct", "staged"])
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+@pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
+    (2, 8, 3, [13, 9]),
+    (4, 8, 3, [7, 11, 5, 9]),
+])
+def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens, score_before, combine):
+    w = make_world(world, num_experts, top_k, num_tokens, seed=1 + world)
+    config = interpreter_config(combine=combine)
+    ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
+                             top_k=top_k, dtype=torch.float32, config=config)
+    seq, fus = run_both(w, score_before=score_before, workspace=ws, config=config)
+    assert_correct(w, seq, fus, score_before=score_before)
+
+
+def test_staged_and_direct_combine_give_the_same_bits():
+    w = make_world(2, 8, 3, [10, 7], seed=5)
+    config = interpreter_config(combine="staged")
+    ws = Workspace.simulated(2, num_tokens=10, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
+                             config=config)
+    outs = {}
+    for combine in ("direct", "staged"):
+        outs[combine] = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                              schedule="fused", score_before_experts=False, workspace=ws,
+                                              config=config.replace(combine=combine))
+    for a, b in zip(outs["direct"], outs["staged"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing", "rank_with_no_tokens",
+                                  "one_local_expert"])
+def test_fused_matches_sequential_bitwise_under_edge_routing(case):
+    if case == "skewed_one_expert":  # every token picks expert 5: one expert gets many tiles
+        w = make_world(2, 8, 3, [21, 17], seed=11, force=5)
+    elif case == "empty_experts":  # odd experts never picked
+        w = make_world(2, 8, 2, [9, 6], seed=12, allowed=[0, 2, 4, 6])
+    elif case == "rank_receives_nothing":  # only rank 0's experts
+        w = make_world(2, 8, 3, [10, 7], seed=13, allowed=[0, 1, 2, 3])
+    elif case == "rank_with_no_tokens":
+        w = make_world(2, 8, 3, [0, 9], seed=14)
+    else:  # El = 1, every token on both ranks
+        w = make_world(2, 2, 2, [9, 5], seed=15)
+    score_before = case in ("empty_experts", "one_local_expert")
+    combine = "staged" if case in ("skewed_one_expert", "rank_with_no_tokens") else "direct"
+    seq, fus = run_both(w, score_before=score_before, config=interpreter_config(combine=combine))
+    assert_correct(w, seq, fus, score_before=score_before)
+
+
+def test_workspace_reuse_across_calls_with_new_routing():
+    """Epochs and counter zeroing: one workspace, three calls, new data each time."""
+    ws = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2,
+                             dtype=torch.float32, config=interpreter_config())
+    for call, tokens in enumerate([[12, 5], [3, 12], [8, 8]]):
+        w = make_world(2, 8, 2, tokens, seed=100 + call)
+        seq, fus = run_both(w, score_before=False, workspace=ws)
+        assert_correct(w, seq, fus, score_before=False)
+    assert ws.control[:, CTL_EPOCH].tolist() == [6, 6]  # two schedules x three calls
+
+
+def test_counts_exchange_gives_every_rank_the_same_table():
+    w = make_world(4, 8, 3, [5, 0, 7, 3], seed=21)
+    ws = Workspace.simulated(4, num_tokens=7, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                             dtype=torch.float32, config=interpreter_config())
+    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                          schedule="fused", score_before_experts=False, workspace=ws)
+    expected = torch.stack([count_per_expert(i, 8) for i in w["indices"]])
+    for r in range(4):
+        assert torch.equal(ws.counts_all[r], expected)
+
+
+def test_silent_rank_times_out_with_a_clear_error():
+    w = make_world(2, 8, 3, [6, 6], seed=31)
+    config = interpreter_config(debug_silent_rank=1, interpreter_max_spins=3)
+    with pytest.raises(RuntimeError, match=r"rank 0 .*waiting for the dispatched rows of tile \d+ \(tile_arrivals"):
+        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                              schedule="fused", score_before_experts=False, config=config)
+
+
+def test_dedup_sends_each_token_once_per_destination_rank():
+    w = make_world(2, 8, 4, [16, 16], seed=41)
+    counts_all = torch.stack([count_per_expert(i, 8) for i in w["indices"]])
+    layout = compute_layout(w["indices"][0], counts_all, 0)
+    sent = exchange_bytes(layout, DIM, 4)
+    dest_rank = w["indices"][0] // 4
+    tokens_to_rank1 = int((dest_rank == 1).any(1).sum())
+    copies_to_rank1 = int((dest_rank == 1).sum())
+    assert int(sent["dispatch_dedup"]) == tokens_to_rank1 * DIM * 4
+    assert int(sent["dispatch_copies"]) == copies_to_rank1 * DIM * 4
+    assert torch.equal(token_destinations(layout), torch.stack([(dest_rank == r).any(1) for r in range(2)], 1))
+
+
+def test_memory_report_follows_the_documented_formula():
+    shape = WorkspaceShape(world_size=2, token_capacity=8192, dim=2048, hidden=768, num_experts=128, top_k=8,
+                           dtype=torch.bfloat16, block_m=128)
+    sizes = memory_bytes(shape)
+    slots = 2 * 8192 * 8
+    assert sizes["tokens"] == 2 * 8192 * 2048 * 2
+    assert sizes["returned"] == 8192 * 8 * 2048 * 2
+    assert sizes["slot_copy"] == sizes["slot_score"] == 4 * slots
+    assert sizes["tile_arrivals"] == 4 * (slots // 128 + 64)
+    assert sizes["h"] == slots * 768 * 2
+    assert sizes["tile_done"] == sizes["tile_arrivals"]
+    assert sizes["y"] == 0
+    assert sizes["arena"] >= sum(sizes[k] for k in ("tokens", "slot_copy", "slot_score", "tile_arrivals", "returned",
+                                                    "token_arrivals", "tile_done", "counts", "count_flags"))
+    assert sizes["total"] == sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"]
+    staged = memory_bytes(WorkspaceShape(**{**shape.__dict__, "staged_combine": True}))
+    assert staged["y"] == slots * 2048 * 2 and staged["total"] == sizes["total"] + staged["y"]
+
+
+def test_per_rank_launches_match_the_simulated_world():
+    """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
+    by rank in producer-first order on shared simulated arenas, gives the same
+    bits as the whole-world launch."""
+    from types import SimpleNamespace
+
+    from titan_uniep import fused
+
+    world, cfg = 2, interpreter_config(combine="staged")
+    w = make_world(world, 8, 3, [11, 6], seed=51)
+    ws = Workspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                             dtype=torch.float32, config=cfg)
+    whole = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                  schedule="sequential", score_before_experts=False, workspace=ws)
+    views = [SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, arena_ptrs=ws.arena_ptrs,
+                             anchors=ws.anchors, anchor_rank=ws.anchor_rank, device=ws.device, h=ws.h[r:r + 1], y=ws.y[r:r + 1],
+                             control=ws.control[r:r + 1], counts_all=ws.counts_all[r:r + 1], rank_base=r,
+                             num_local_ranks=1) for r in range(world)]
+    counts = [fused._count_copies(w["indices"][r], 8).unsqueeze(0) for r in range(world)]
+    for step in ("publish", "collect"):
+        for r in range(world):
+            fused._exchange_counts(views[r], counts[r], cfg, publish=step == "publish", collect=step == "collect")
+    calls = [fused._prepare_rank_call(views[r], w["xs"][r], w["scores"][r], w["indices"][r], w["w1s"][r],
+                                      w["w2s"][r], w["w3s"][r], cfg, None) for r in range(world)]
+    for phase in ("dispatch", "fc1", "fc2", "send", "reduce"):
+        for r in range(world):
+            fused._launch(views[r], calls[r], cfg, False, [phase])
+    ws.check_errors()
+    for r in range(world):
+        assert torch.equal(calls[r].out[0], whole[r]), f"rank {r}"
+
+
+def test_workspace_grows_when_asked_and_keeps_working():
+    ws = Workspace.simulated(2, num_tokens=4, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2, dtype=torch.float32,
+                             config=interpreter_config())
+    w = make_world(2, 8, 2, [9, 6], seed=61)
+    with pytest.raises(RuntimeError, match="ensure_capacity"):
+        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                              schedule="fused", score_before_experts=False, workspace=ws)
+    assert ws.ensure_capacity(9) and not ws.ensure_capacity(5)
+    assert ws.shape.token_capacity == 9
+    seq, fus = run_both(w, score_before=False, workspace=ws)
+    assert_correct(w, seq, fus, score_before=False)

@@ -1,0 +1,324 @@
+"""Megakernel B: grouped GEMM fc2 + combine.
+
+Reads what megakernel A left (same index arrays, see ``dispatch_fc1``):
+``h`` ``(L, S, H)`` in expert-major slots and ``slot_copy`` in this rank's
+arena. Writes, in every source rank's arena, ``returned`` ``(T_cap * K, D)``
+(expert output of copy ``(t, k)`` at row ``t * K + k``) and bumps
+``token_arrivals`` ``(T_cap,) int32`` (one per finished row x column block).
+
+Tasks, claimed from atomic counters by a persistent grid:
+
+1. fc2 task (tile of one local expert x ``block_n_fc2`` columns of y):
+   ``y = h @ w2^T`` rounded to the activation dtype (as TorchTitan's grouped
+   GEMM output). Combine ``"direct"``: each row is stored straight into its
+   source rank's ``returned[t * K + k]``, then one release arrival per row on
+   the source's ``token_arrivals[t]``. Combine ``"staged"``: the tile goes to
+   this rank's ``y`` ``(L, S, D)`` and ``tile_done[tile]`` is bumped; the GEMM
+   program never waits for NVLink (a release at system scope after remote
+   stores stalls the SM until they land).
+1b. Send task (staged only; one tile): wait until all its column blocks are
+   done, copy its rows to their sources' ``returned``, release one arrival
+   per row. Run by the last ``num_combine_sms`` programs from the start and
+   by every other program once the fc2 tasks are gone.
+2. Reduce task (``reduce_block_tokens`` tokens of this rank): wait (acquire,
+   bounded) until each token has all ``K * cdiv(D, block_n_fc2)`` arrivals,
+   then ``out[t] = sum_k w_k * y[t, k]`` in fp32 in the fixed order
+   k = 0..K-1, with ``w_k`` the router score (scores after the experts) or 1
+   (scores before), stored in the activation dtype.
+
+Sequential schedule: the same kernel launched twice (fc2 tasks, then reduce
+tasks); bitwise identical results.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dispatch_fc1 import grouped_tile_task
+from .sync import (
+    CONTROL_WORDS,
+    CTL_FC2_TASKS,
+    CTL_REDUCE_TASKS,
+    CTL_SEND_TASKS,
+    WAIT_TILE_DONE,
+    WAIT_TOKEN_ROWS,
+    arena_ptr,
+    has_failed,
+    next_task,
+    record_failure,
+    wait_counter_at_least,
+    wait_counters_at_least,
+)
+
+_CTL_FC2_TASKS = tl.constexpr(CTL_FC2_TASKS)
+_CTL_REDUCE_TASKS = tl.constexpr(CTL_REDUCE_TASKS)
+_WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
+_CTL_SEND_TASKS = tl.constexpr(CTL_SEND_TASKS)
+_WAIT_TILE_DONE = tl.constexpr(WAIT_TILE_DONE)
+_CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+
+
+@triton.jit
+def fc2_tile(
+    h, w2, m0, m1, n0, DIM: tl.constexpr, HIDDEN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """y[m0:m1, n0:n0+BN] = h[m0:m1] @ w2^T for one expert (``w2``: its (D, H))."""
+    offs_m = m0 + tl.arange(0, BM)
+    mask_m = offs_m < m1
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < DIM
+    offs_k = tl.arange(0, BK)
+    a_ptrs = h + offs_m[:, None].to(tl.int64) * HIDDEN + offs_k[None, :]
+    b_ptrs = w2 + offs_n[None, :].to(tl.int64) * HIDDEN + offs_k[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(HIDDEN, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < HIDDEN - k * BK
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK
+        b_ptrs += BK
+    return acc.to(h.dtype.element_ty), offs_m, mask_m, offs_n, mask_n
+
+
+@triton.jit
+def return_rows_to_sources(
+    y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena_ptrs, act_anchor, i32_anchor, anchor_rank,
+    off_returned, off_token_arrivals, token_capacity, DIM: tl.constexpr, TOP_K: tl.constexpr,
+):
+    """Store each finished row at its source's ``returned[t * K + k]``, then
+    release one arrival on the source's ``token_arrivals[t]``."""
+    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+    per_rank = token_capacity * TOP_K
+    source = copy_id // per_rank
+    row = (copy_id % per_rank).to(tl.int64)
+    token = row // TOP_K
+    returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
+    tl.store(returned[:, None] + row[:, None] * DIM + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+    tl.debug_barrier()
+    arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
+    tl.atomic_add(arrivals + token, 1, mask=mask_m, sem="release", scope="sys")
+
+
+@triton.jit
+def send_task(
+    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
+    y_ptr, y_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_slot_copy,
+    off_returned, off_token_arrivals, off_tile_done, token_capacity, slot_capacity, col_blocks, timeout,
+    NUM_LOCAL: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    """Staged combine: send one finished fc2 tile's rows to their sources."""
+    local = task % NUM_LOCAL
+    tile = task // NUM_LOCAL
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    if (tile < tl.load(num_tiles_ptr + local)) & (has_failed(control) == 0):
+        m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
+        m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
+        tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done) + tile
+        seen = wait_counter_at_least(tile_done, col_blocks, timeout, USE_TIMER)
+        if seen < col_blocks:
+            record_failure(control, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen)
+        elif m1 <= slot_capacity:
+            offs_m = m0 + tl.arange(0, BM)
+            mask_m = offs_m < m1
+            slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
+            copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+            per_rank = token_capacity * TOP_K
+            source = copy_id // per_rank
+            row = (copy_id % per_rank).to(tl.int64)
+            returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
+            staged = y_ptr + local.to(tl.int64) * y_rank_stride + offs_m[:, None].to(tl.int64) * DIM
+            for d0 in range(0, DIM, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                mask = mask_m[:, None] & (offs_d < DIM)[None, :]
+                rows = tl.load(staged + offs_d[None, :], mask=mask, cache_modifier=".cg")
+                tl.store(returned[:, None] + row[:, None] * DIM + offs_d[None, :], rows, mask=mask)
+            tl.debug_barrier()
+            arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
+            tl.atomic_add(arrivals + row // TOP_K, 1, mask=mask_m, sem="release", scope="sys")
+
+
+@triton.jit
+def reduce_task(
+    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
+    out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned, off_token_arrivals,
+    arrivals_per_token, timeout, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    local = task // tasks_per_rank
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    num_tokens = tl.load(num_tokens_ptr + local)
+    if has_failed(control) == 0:
+        offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
+        mask_t = offs_t < num_tokens
+        arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals) + offs_t
+        seen = wait_counters_at_least(arrivals, mask_t, arrivals_per_token, timeout, USE_TIMER)
+        short = mask_t & (seen < arrivals_per_token)
+        if tl.max(short.to(tl.int32)) > 0:
+            first = tl.min(tl.where(short, offs_t, 1 << 30))
+            record_failure(
+                control, rank, task, _WAIT_TOKEN_ROWS, first, arrivals_per_token, tl.min(tl.where(short, seen, 1 << 30))
+            )
+        else:
+            out = out_ptr + local.to(tl.int64) * out_rank_stride
+            returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_returned)
+            rows = offs_t.to(tl.int64) * TOP_K
+            for d0 in range(0, DIM, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                mask = mask_t[:, None] & (offs_d < DIM)[None, :]
+                acc = tl.zeros((BT, BD), dtype=tl.float32)
+                for k in range(0, TOP_K):
+                    y = tl.load(
+                        returned + (rows + k)[:, None] * DIM + offs_d[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    if SCORE_BEFORE:
+                        acc += y.to(tl.float32)
+                    else:
+                        score = tl.load(scores_ptr + local * route_rank_stride + offs_t * TOP_K + k, mask=mask_t)
+                        acc += score[:, None] * y.to(tl.float32)
+                tl.store(out + offs_t[:, None].to(tl.int64) * DIM + offs_d[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_fc2", "do_send", "do_reduce", "num_send_programs",
+                               "timeout"])
+def fc2_combine_kernel(
+    h_ptr,  # (L, S, H)
+    h_rank_stride,
+    w2_ptr,  # (L, El, D, H)
+    weight_rank_stride,
+    tile_expert_ptr,  # (L, C) int32
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_rank_stride,
+    num_tiles_ptr,  # (L,) int32
+    scores_ptr,  # (L, T, K) fp32
+    route_rank_stride,
+    num_tokens_ptr,  # (L,) int32
+    out_ptr,  # (L, T, D) out
+    out_rank_stride,
+    control_ptr,  # (L, CONTROL_WORDS) int64
+    arena_ptrs,  # (W,) int64 arena base addresses
+    act_anchor,  # arena of anchor_rank, as the activation dtype
+    i32_anchor,  # the same, as int32
+    anchor_rank,
+    off_slot_copy,  # element offsets of the arena buffers (in their own dtype)
+    off_returned,
+    off_token_arrivals,
+    off_tile_done,
+    y_ptr,  # (L, S, D) staged expert outputs (staged combine only)
+    y_rank_stride,
+    rank_base,
+    token_capacity,
+    slot_capacity,
+    do_fc2,
+    do_send,
+    do_reduce,
+    num_send_programs,
+    timeout,
+    NUM_LOCAL: tl.constexpr,
+    DIM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SCORE_BEFORE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    STAGED: tl.constexpr,
+):
+    col_blocks = tl.cdiv(DIM, BN)
+    # Send-only programs are the last ones: under the interpreter, programs run
+    # in order and the GEMM programs (producers) must come first.
+    send_only = STAGED & (tl.program_id(0) >= tl.num_programs(0) - num_send_programs)
+    if (do_fc2 != 0) & (send_only == 0):
+        max_tiles = 0
+        for local in range(NUM_LOCAL):
+            max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
+        total = NUM_LOCAL * max_tiles * col_blocks
+        task = next_task(control_ptr, _CTL_FC2_TASKS)
+        while task < total:
+            local = task % NUM_LOCAL
+            rank = rank_base + local
+            control = control_ptr + local * _CONTROL_WORDS
+            num_tiles = tl.load(num_tiles_ptr + local)
+            rank_task = task // NUM_LOCAL
+            if (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0):
+                tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
+                expert = tl.load(tile_expert_ptr + local * tile_rank_stride + tile)
+                m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
+                m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
+                if m1 <= slot_capacity:
+                    expert_offset = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * DIM * HIDDEN
+                    y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
+                        h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
+                        m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
+                    )
+                    if STAGED:
+                        staged = y_ptr + local.to(tl.int64) * y_rank_stride
+                        tl.store(staged + offs_m[:, None].to(tl.int64) * DIM + offs_n[None, :], y,
+                                 mask=mask_m[:, None] & mask_n[None, :])
+                        tl.debug_barrier()
+                        tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done)
+                        tl.atomic_add(tile_done + tile, 1, sem="release", scope="gpu")
+                    else:
+                        return_rows_to_sources(
+                            y, offs_m, mask_m, offs_n, mask_n,
+                            arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
+                            arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned, off_token_arrivals,
+                            token_capacity, DIM, TOP_K,
+                        )
+            task = next_task(control_ptr, _CTL_FC2_TASKS)
+
+    if STAGED:
+        if do_send != 0:
+            max_tiles = 0
+            for local in range(NUM_LOCAL):
+                max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
+            total = NUM_LOCAL * max_tiles
+            task = next_task(control_ptr, _CTL_SEND_TASKS)
+            while task < total:
+                send_task(
+                    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
+                    y_ptr, y_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_slot_copy,
+                    off_returned, off_token_arrivals, off_tile_done, token_capacity, slot_capacity, col_blocks,
+                    timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER,
+                )
+                task = next_task(control_ptr, _CTL_SEND_TASKS)
+
+    if do_reduce != 0:
+        max_tokens = 0
+        for local in range(NUM_LOCAL):
+            max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
+        tasks_per_rank = tl.cdiv(max_tokens, BT)
+        total = NUM_LOCAL * tasks_per_rank
+        if STAGED:
+            arrivals_per_token = TOP_K
+        else:
+            arrivals_per_token = TOP_K * col_blocks
+        task = next_task(control_ptr, _CTL_REDUCE_TASKS)
+        while task < total:
+            reduce_task(
+                task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
+                out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned,
+                off_token_arrivals, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD, USE_TIMER,
+            )
+            task = next_task(control_ptr, _CTL_REDUCE_TASKS)

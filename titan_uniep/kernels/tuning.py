@@ -1,0 +1,134 @@
+"""Tuning knobs of the UniEP forward megakernels, with the defaults per EP size.
+
+One table, keyed by EP size, in the spirit of DeepEP's ``Buffer`` configs; a
+``KernelConfig`` passed per call overrides it. The GEMM tile shape is the one
+that reached ``torch._grouped_mm`` speed on one H200 (DESIGN.md: BM=128,
+BN=256, BK=64, 8 warps, 3-4 stages). fc1 keeps two accumulators (w1 and w3)
+of ``block_n_fc1`` columns each, so its tile is 128 x (2 x 128) as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["KernelConfig", "DEFAULT_CONFIGS", "default_config", "interpreter_config"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    num_comm_sms: int = 16
+    """Programs of megakernel A that run dispatch tasks before joining the GEMM
+    tasks; the others start on GEMM tiles at once and wait for their rows.
+    A value >= the grid lets every program dispatch first. Measured on
+    2 x H200 (docs/performance.md): qwen3-like 16-32 best, 64 and 132 up to
+    14% slower; deepseek- and mixtral-like within a few percent of each other."""
+
+    num_programs: int | None = None
+    """Persistent programs per launch; ``None``: one per SM. Every spin-wait
+    relies on the whole grid being resident, so never more than the SMs."""
+
+    block_m: int = 128
+    """Rows (receive-buffer slots) per GEMM tile; also the granularity of the
+    per-tile arrival counters, so the workspace is sized with it."""
+
+    block_n_fc1: int = 128
+    """Columns of h per fc1 tile (two accumulators: x @ w1^T and x @ w3^T)."""
+
+    block_n_fc2: int = 256
+    """Columns of y per fc2 tile."""
+
+    block_k: int = 64
+    """Reduction slice per pipeline stage, both GEMMs."""
+
+    group_m: int = 8
+    """Row tiles walked together before moving to the next column block
+    (L2 reuse of the gathered rows, as in Triton's matmul tutorial)."""
+
+    num_warps: int = 8
+    num_stages: int = 3
+
+    combine: str = "direct"
+    """How fc2 rows go back to their source ranks. ``"direct"``: the fc2 tile
+    stores them into the sources' buffers itself. ``"staged"``: the tile is
+    written locally (workspace buffer ``y``, ``S * D`` elements more) and
+    separate send tasks move it, so GEMM programs never stall on NVLink.
+    Measured equal or slower on 2 x H200 (docs/performance.md), hence off."""
+
+    num_combine_sms: int = 16
+    """Programs of megakernel B that only send (staged combine) before joining
+    the reduce tasks."""
+
+    comm_block_tokens: int = 16
+    """Tokens per dispatch task (one task copies their rows to every rank
+    they route to, then signals the tiles of their copies)."""
+
+    comm_block_dim: int = 512
+    """Columns moved per step of a dispatch task."""
+
+    reduce_block_tokens: int = 16
+    """Tokens per combine-reduce task."""
+
+    reduce_block_dim: int = 256
+    """Columns summed per step of a combine-reduce task."""
+
+    timeout_s: float = 30.0
+    """Bound of every spin-wait on the GPU (globaltimer). A wait that runs out
+    writes an error record and the host raises RuntimeError. The counts
+    exchange also waits here for peers that are still on the host (e.g.
+    compiling kernels on the first step), hence tens of seconds."""
+
+    interpreter_max_spins: int = 10_000
+    """Bound of every spin-wait under TRITON_INTERPRET=1, in polls. Programs run
+    one after another there and producers always come first, so a wait that
+    has to spin at all is already a bug."""
+
+    debug_silent_rank: int = -1
+    """Testing only: this rank runs no dispatch tasks (sends no rows and
+    signals nothing), to prove that a missing peer ends in a clear error."""
+
+    def replace(self, **changes) -> "KernelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n_fc1", "block_n_fc2", "block_k", "comm_block_tokens",
+                     "comm_block_dim", "reduce_block_tokens", "reduce_block_dim", "group_m"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value}")
+        for name in ("block_m", "block_n_fc1", "block_n_fc2", "block_k"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"KernelConfig.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
+        if self.combine not in ("direct", "staged"):
+            raise ValueError(f"KernelConfig.combine must be 'direct' or 'staged', got {self.combine!r}")
+        if self.num_combine_sms < 1:
+            raise ValueError(f"KernelConfig.num_combine_sms must be >= 1, got {self.num_combine_sms}")
+        if self.num_comm_sms < 1:
+            raise ValueError(f"KernelConfig.num_comm_sms must be >= 1, got {self.num_comm_sms}")
+        if self.num_programs is not None and self.num_programs <= max(self.num_comm_sms, self.num_combine_sms):
+            raise ValueError(
+                f"KernelConfig.num_programs ({self.num_programs}) must exceed num_comm_sms ({self.num_comm_sms}) "
+                f"and num_combine_sms ({self.num_combine_sms})"
+            )
+
+
+# Tuned on 2 x H200 (NV18). Other EP sizes start from the same point.
+DEFAULT_CONFIGS: dict[int, KernelConfig] = {
+    2: KernelConfig(),
+}
+
+
+def default_config(ep_size: int) -> KernelConfig:
+    """The tuned defaults for ``ep_size``; the closest smaller tuned size otherwise."""
+    known = [w for w in sorted(DEFAULT_CONFIGS) if w <= ep_size]
+    return DEFAULT_CONFIGS[known[-1] if known else min(DEFAULT_CONFIGS)]
+
+
+def interpreter_config(**changes) -> KernelConfig:
+    """Small tiles for the CPU interpreter (tiny test shapes, fast to run)."""
+    base = KernelConfig(
+        num_comm_sms=1, num_combine_sms=1, num_programs=2, block_m=16, block_n_fc1=16, block_n_fc2=16, block_k=16,
+        group_m=2, num_warps=4, num_stages=1, comm_block_tokens=4, comm_block_dim=16,
+        reduce_block_tokens=4, reduce_block_dim=16,
+    )
+    return base.replace(**changes)

@@ -1,0 +1,112 @@
+"""Ordered pure-PyTorch references for UniEP's forward (used by tests and the
+benchmark's ``--check``).
+
+- ``float64_moe_reference``: the math itself, in float64, straight from the
+  global expert weights; no layout, no exchange. The oracle for "close".
+- ``layout_reference_forward``: a simulated world that places every copy with
+  ``titan_uniep.layout`` and rounds exactly where the kernels round
+  (activation dtype after each GEMM and after silu, fp32 accumulation, top-k
+  sum in fp32 in order k = 0..K-1). Equal to the kernels up to fp32
+  accumulation order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .layout import compute_layout, count_per_expert
+
+__all__ = ["float64_moe_reference", "layout_reference_forward"]
+
+
+def float64_moe_reference(
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    selected_experts_indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    score_before_experts: bool,
+) -> torch.Tensor:
+    """``(T, D) float64``: ``out[t] = sum_k FFN_e(x[t] * s)`` (score before) or
+    ``sum_k s * FFN_e(x[t])`` (after), ``e = indices[t, k]``, ``s = score[t, k]``,
+    ``FFN_e(v) = w2[e] (silu(w1[e] v) * (w3[e] v))``. Weights are global:
+    ``w1``/``w3`` ``(E, H, D)``, ``w2`` ``(E, D, H)``."""
+    x64 = x.to(torch.float64)
+    out = torch.zeros_like(x64)
+    for e in torch.unique(selected_experts_indices).tolist():
+        token, choice = (selected_experts_indices == e).nonzero(as_tuple=True)
+        score = top_scores[token, choice].to(torch.float64)[:, None]
+        rows = x64[token] * score if score_before_experts else x64[token]
+        gate = rows @ w1[e].to(torch.float64).T
+        hidden = gate * torch.sigmoid(gate) * (rows @ w3[e].to(torch.float64).T)
+        y = hidden @ w2[e].to(torch.float64).T
+        out.index_add_(0, token, y if score_before_experts else y * score)
+    return out
+
+
+def layout_reference_forward(
+    xs: Sequence[torch.Tensor],
+    scores: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor],
+    w1s: Sequence[torch.Tensor],
+    w2s: Sequence[torch.Tensor],
+    w3s: Sequence[torch.Tensor],
+    *,
+    score_before_experts: bool,
+) -> list[torch.Tensor]:
+    """The kernels' computation in torch for a simulated world of ``len(xs)``
+    ranks (same arguments as ``fused.simulated_moe_forward``)."""
+    world = len(xs)
+    num_local = w1s[0].shape[0]
+    num_experts = num_local * world
+    dtype, dim = xs[0].dtype, xs[0].shape[1]
+    counts_all = torch.stack([count_per_expert(idx.cpu(), num_experts) for idx in indices]).to(xs[0].device)
+    layouts = [compute_layout(indices[r], counts_all, r) for r in range(world)]
+
+    # Receive side: every copy's row and score at its slot.
+    received = []
+    for r in range(world):
+        rows = int(layouts[r].expert_offsets[-1])
+        recv_x = torch.zeros(rows, dim, dtype=dtype, device=xs[0].device)
+        recv_score = torch.zeros(rows, dtype=torch.float32, device=xs[0].device)
+        recv_from = torch.zeros(rows, 3, dtype=torch.int64, device=xs[0].device)  # (source, t, k)
+        for s in range(world):
+            token, choice = (layouts[s].dest_rank == r).nonzero(as_tuple=True)
+            slot = layouts[s].dest_slot[token, choice]
+            recv_x[slot] = xs[s][token]
+            recv_score[slot] = scores[s][token, choice].to(torch.float32)
+            recv_from[slot] = torch.stack([torch.full_like(token, s), token, choice], 1)
+        received.append((recv_x, recv_score, recv_from))
+
+    # Experts, rounding where the kernels round.
+    returned = [torch.zeros(x.shape[0], indices[0].shape[1], dim, dtype=dtype, device=x.device) for x in xs]
+    for r in range(world):
+        recv_x, recv_score, recv_from = received[r]
+        offsets = layouts[r].expert_offsets.tolist()
+        for e in range(num_local):
+            lo, hi = offsets[e], offsets[e + 1]
+            a = recv_x[lo:hi]
+            if score_before_experts:
+                a = (a.float() * recv_score[lo:hi, None]).to(dtype)
+            gate = (a.float() @ w1s[r][e].float().T).to(dtype).float()
+            up = (a.float() @ w3s[r][e].float().T).to(dtype).float()
+            act = (gate / (1.0 + torch.exp(-gate))).to(dtype).float()
+            h = (act * up).to(dtype)
+            y = (h.float() @ w2s[r][e].float().T).to(dtype)
+            src = recv_from[lo:hi]
+            for s in range(world):
+                mine = src[:, 0] == s
+                returned[s][src[mine, 1], src[mine, 2]] = y[mine]
+
+    outs = []
+    for s in range(world):
+        acc = torch.zeros(xs[s].shape[0], dim, dtype=torch.float32, device=xs[s].device)
+        for k in range(indices[s].shape[1]):
+            y = returned[s][:, k].float()
+            acc = acc + (y if score_before_experts else scores[s][:, k, None].float() * y)
+        outs.append(acc.to(dtype))
+    return outs

@@ -1,0 +1,364 @@
+"""The symmetric-memory workspace of UniEP's forward kernels.
+
+One object per EP group owns every buffer the kernels exchange through:
+allocated once (never inside CUDA-graph capture), reused by every MoE layer
+and every step, grown only by an explicit collective call.
+
+Per rank, one *arena* (a symmetric allocation, so every peer can address it)
+holds, for a token capacity ``T`` (tokens per rank), dim ``D``, ``K`` experts
+per token, ``E`` experts, EP size ``W``, ``El = E / W`` local experts, slot
+capacity ``S = W * T * min(K, El)`` and tile capacity
+``C = ceil(S / block_m) + El``, with ``b`` bytes per activation element:
+
+=================  =================  =====================================
+buffer             bytes              written by
+=================  =================  =====================================
+tokens             W * T * D * b      dispatch (de-duplicated token rows)
+slot_copy          4 * S              dispatch (slot -> copy id)
+slot_score         4 * S              dispatch (router score of the slot)
+tile_arrivals      4 * C              dispatch (release), fc1 waits
+returned           T * K * D * b      fc2 (expert output of each copy)
+token_arrivals     4 * T              fc2 / send (release), reduce waits
+tile_done          4 * C              fc2 (staged combine), send waits
+counts             2 * W * E * 8      counts exchange (two epochs' tables)
+count_flags        2 * W * 8          counts exchange (epoch of each table)
+=================  =================  =====================================
+
+each rounded up to 256 bytes. Local (not symmetric) per rank: ``h``
+``S * H * b`` (fc1 output), ``y`` ``S * D * b`` (fc2 output, staged combine
+only), the exchanged ``counts_all`` ``W * E * 8`` and ``CONTROL_WORDS * 8`` of
+control words (task counters, epoch, error record).
+``memory_bytes()`` returns exactly these numbers.
+
+Flags are never reset by a memset-and-barrier: each call's exchange bumps a
+per-rank epoch, publishes its counts tagged with it, and zeroes this rank's
+own arrival counters before releasing them (see ``kernels.sync``).
+
+Two ways to build one:
+
+- ``Workspace.for_group(group, ...)``: real EP, one process per GPU, arenas
+  from ``torch.distributed._symmetric_memory`` (CUDA backend).
+- ``Workspace.simulated(world_size, ...)``: every rank's buffers in this
+  process (CPU interpreter or one GPU); the "peer pointers" are the other
+  ranks' tensors. The kernels cannot tell the difference.
+
+Error checks: a kernel that times out leaves a record in the control words.
+``check_errors()`` reads it (a device-to-host sync). ``poll_errors()`` does
+not sync: it inspects the copy that ``schedule_error_poll()`` queued on the
+stream after an earlier call, once that copy has landed. The fused forward
+polls at entry and queues a copy at exit, so a failure surfaces at the next
+MoE call at the latest; call ``check_errors()`` at the end of a step to be
+sure. After a timeout the workspace is unusable (ranks' epochs and counters
+disagree): raise, and rebuild it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .kernels.sync import (
+    BAD_SLOT,
+    CONTROL_WORDS,
+    CTL_EPOCH,
+    CTL_ERROR,
+    ERROR_FIELDS,
+    WAIT_COUNTS_FLAG,
+    WAIT_TILE_DONE,
+    WAIT_TILE_ROWS,
+    WAIT_TOKEN_ROWS,
+)
+from .kernels.tuning import KernelConfig, default_config
+from .layout import slot_capacity, tile_capacity
+
+__all__ = ["WorkspaceShape", "Workspace", "memory_bytes"]
+
+_ALIGN = 256
+# Element type of each arena buffer (None: the activation dtype).
+ARENA_DTYPES = {
+    "tokens": None, "slot_copy": torch.int32, "slot_score": torch.float32, "tile_arrivals": torch.int32,
+    "returned": None, "token_arrivals": torch.int32, "tile_done": torch.int32, "counts": torch.int64,
+    "count_flags": torch.int64,
+}
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class WorkspaceShape:
+    """What the buffers are sized for. ``token_capacity``: most tokens any rank
+    routes in one call (batch x sequence on that rank)."""
+
+    world_size: int
+    token_capacity: int
+    dim: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    dtype: torch.dtype
+    block_m: int
+    staged_combine: bool = False
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def slot_capacity(self) -> int:
+        return slot_capacity(self.world_size, self.token_capacity, self.top_k, self.num_local_experts)
+
+    @property
+    def tile_capacity(self) -> int:
+        return tile_capacity(self.slot_capacity, self.num_local_experts, self.block_m)
+
+    @property
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def arena_sizes(self) -> dict[str, int]:
+        w, t, d, k, e, b = self.world_size, self.token_capacity, self.dim, self.top_k, self.num_experts, self.elem_size
+        s, c = self.slot_capacity, self.tile_capacity
+        return {
+            "tokens": w * t * d * b,
+            "slot_copy": 4 * s,
+            "slot_score": 4 * s,
+            "tile_arrivals": 4 * c,
+            "returned": t * k * d * b,
+            "token_arrivals": 4 * t,
+            "tile_done": 4 * c,
+            "counts": 2 * w * e * 8,
+            "count_flags": 2 * w * 8,
+        }
+
+    def arena_offsets(self) -> tuple[dict[str, int], int]:
+        """Byte offset of each buffer in the arena, and the arena's size."""
+        offsets, end = {}, 0
+        for name, size in self.arena_sizes().items():
+            offsets[name] = end
+            end += _round_up(max(size, 1), _ALIGN)
+        return offsets, end
+
+
+def memory_bytes(shape: WorkspaceShape) -> dict[str, int]:
+    """Bytes per rank, by buffer (see the module docstring for the formulas).
+    Keys: the arena buffers, ``"arena"`` (their padded total, symmetric),
+    ``"h"``, ``"y"``, ``"counts_all"``, ``"control"`` (local) and ``"total"``."""
+    sizes = dict(shape.arena_sizes())
+    sizes["arena"] = shape.arena_offsets()[1]
+    sizes["h"] = shape.slot_capacity * shape.hidden * shape.elem_size
+    sizes["y"] = shape.slot_capacity * shape.dim * shape.elem_size if shape.staged_combine else 0
+    sizes["counts_all"] = shape.world_size * shape.num_experts * 8
+    sizes["control"] = CONTROL_WORDS * 8
+    sizes["total"] = sizes["arena"] + sizes["h"] + sizes["y"] + sizes["counts_all"] + sizes["control"]
+    return sizes
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+_WHAT = {
+    WAIT_COUNTS_FLAG: "the counts exchange, waiting for rank {index}'s per-expert counts (count_flags[{index}])",
+    WAIT_TILE_ROWS: "megakernel A (fc1), waiting for the dispatched rows of tile {index} (tile_arrivals[{index}])",
+    WAIT_TOKEN_ROWS: "megakernel B (combine), waiting for token {index}'s expert outputs (token_arrivals[{index}])",
+    WAIT_TILE_DONE: "megakernel B (combine send), waiting for fc2 of tile {index} (tile_done[{index}])",
+    BAD_SLOT: "megakernel A (dispatch): token {index} has a copy whose slot is outside the receive buffer "
+    "(a token routed to the same expert twice, or a corrupted counts table)",
+}
+
+
+class Workspace:
+    """Buffers of one EP group (see the module docstring). Build with
+    ``for_group`` or ``simulated``; never inside CUDA-graph capture."""
+
+    def __init__(self, *, shape: WorkspaceShape, rank_base: int, num_local_ranks: int, device: torch.device,
+                 config: KernelConfig, group: dist.ProcessGroup | None):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("UniEP Workspace must be built before CUDA-graph capture, not inside it")
+        if shape.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"UniEP kernels support activations in {SUPPORTED_DTYPES}, got {shape.dtype}")
+        if shape.num_experts % shape.world_size:
+            raise ValueError(f"num_experts ({shape.num_experts}) must be divisible by the EP size ({shape.world_size})")
+        if config.block_m != shape.block_m:
+            raise ValueError("shape.block_m must equal config.block_m")
+        self.shape = shape
+        self.rank_base = rank_base
+        self.num_local_ranks = num_local_ranks
+        self.device = device
+        self.config = config
+        self.group = group
+        self._allocate()
+
+    # ---- construction -------------------------------------------------
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup, *, num_tokens: int, dim: int, hidden: int, num_experts: int,
+                  top_k: int, dtype: torch.dtype, device: torch.device | int | None = None,
+                  config: KernelConfig | None = None) -> "Workspace":
+        """Real EP: collective over ``group`` (every rank calls it with the same
+        arguments). ``num_tokens``: the token capacity per rank."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", device) if isinstance(device, int) else device
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"UniEP real EP needs an explicit CUDA device (cuda:N), got {device}")
+        world_size = dist.get_world_size(group)
+        config = config or default_config(world_size)
+        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, config.block_m,
+                               config.combine == "staged")
+        return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, config=config,
+                   group=group)
+
+    @classmethod
+    def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, device: torch.device | str = "cpu",
+                  config: KernelConfig | None = None) -> "Workspace":
+        """All ``world_size`` ranks' buffers in this process (one launch runs
+        the whole world)."""
+        config = config or default_config(world_size)
+        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, config.block_m,
+                               config.combine == "staged")
+        return cls(shape=shape, rank_base=0, num_local_ranks=world_size, device=torch.device(device),
+                   config=config, group=None)
+
+    def _allocate(self) -> None:
+        shape, n, dev = self.shape, self.num_local_ranks, self.device
+        self.offsets, self.arena_bytes = shape.arena_offsets()
+        if self.group is not None:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.arena = symm_mem.empty(self.arena_bytes, dtype=torch.uint8, device=dev)
+            self.arena.zero_()
+            self.handle = symm_mem.rendezvous(self.arena, self.group)
+            if any(ptr % _ALIGN for ptr in self.handle.buffer_ptrs):
+                raise RuntimeError(f"symmetric buffers are not {_ALIGN}-byte aligned: {self.handle.buffer_ptrs}")
+            self.arena_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=dev)
+            # Every arena is zeroed (flags below the first epoch) before any peer writes.
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=self.group, device_ids=[dev.index])
+        else:
+            self.handle = None
+            # Kernels round arena bases down to 256 bytes (alignment hint): align them.
+            raw = torch.zeros(shape.world_size * self.arena_bytes + _ALIGN, dtype=torch.uint8, device=dev)
+            skip = -raw.data_ptr() % _ALIGN
+            self.arena = raw[skip:skip + shape.world_size * self.arena_bytes].view(shape.world_size, self.arena_bytes)
+            self.arena_ptrs = torch.tensor(
+                [self.arena[r].data_ptr() for r in range(shape.world_size)], dtype=torch.int64, device=dev
+            )
+        # Kernels address every arena as typed pointer anchor + delta (see kernels.sync.arena_ptr):
+        # the anchor is this rank's arena (real EP) or rank 0's (simulated world).
+        self.anchor_rank = self.rank_base
+        anchor = self.arena if self.group is not None else self.arena[0]
+        self.anchors = {dt: anchor.view(dt) for dt in {shape.dtype, torch.int32, torch.float32, torch.int64}}
+        self.element_offsets = {
+            name: self.offsets[name] // torch.empty((), dtype=dt or shape.dtype).element_size()
+            for name, dt in ARENA_DTYPES.items()
+        }
+        self.h = torch.empty(n, shape.slot_capacity, shape.hidden, dtype=shape.dtype, device=dev)
+        self.y = (torch.empty(n, shape.slot_capacity, shape.dim, dtype=shape.dtype, device=dev)
+                  if shape.staged_combine else None)
+        self.counts_all = torch.zeros(n, shape.world_size, shape.num_experts, dtype=torch.int64, device=dev)
+        self.control = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, device=dev)
+        pinned = dev.type == "cuda"
+        self._error_host = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, pin_memory=pinned)
+        self._error_event = torch.cuda.Event() if pinned else None
+        self._error_poll_pending = False
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.group is None
+
+    @property
+    def rank(self) -> int:
+        """This process's EP rank (real EP only)."""
+        if self.is_simulated:
+            raise AttributeError("a simulated workspace holds every rank")
+        return self.rank_base
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes per rank by buffer (``memory_bytes(self.shape)``)."""
+        return memory_bytes(self.shape)
+
+    def arena_view(self, local: int, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """This process's view of one arena buffer of local rank ``local`` (tests, poisoning)."""
+        arena = self.arena if not self.is_simulated else self.arena[local]
+        start = self.offsets[name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return arena[start:start + nbytes].view(dtype).view(shape)
+
+    def poison(self) -> None:
+        """Fill every data buffer with NaN (tests: a row that is read before it
+        is written shows up). Counters and flags are left alone."""
+        s = self.shape
+        for local in range(self.num_local_ranks):
+            self.arena_view(local, "tokens", s.dtype, (s.world_size * s.token_capacity, s.dim)).fill_(float("nan"))
+            self.arena_view(local, "returned", s.dtype, (s.token_capacity * s.top_k, s.dim)).fill_(float("nan"))
+            self.arena_view(local, "slot_score", torch.float32, (s.slot_capacity,)).fill_(float("nan"))
+        self.h.fill_(float("nan"))
+        if self.y is not None:
+            self.y.fill_(float("nan"))
+
+    def ensure_capacity(self, num_tokens: int) -> bool:
+        """Grow the buffers so every rank can route ``num_tokens`` tokens per
+        call. Collective in real EP (all ranks call it; the largest request
+        wins) and it synchronises with the host: call it outside the training
+        step and outside CUDA-graph capture. Returns whether it grew."""
+        if self.group is not None:
+            wanted = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.group)
+            num_tokens = int(wanted.item())
+        if num_tokens <= self.shape.token_capacity:
+            return False
+        self.check_errors()
+        epochs = self.control[:, CTL_EPOCH].clone()
+        self.shape = WorkspaceShape(**{**self.shape.__dict__, "token_capacity": num_tokens})
+        self._allocate()
+        self.control[:, CTL_EPOCH] = epochs
+        return True
+
+    # ---- errors ---------------------------------------------------------
+
+    def _raise_from(self, records: torch.Tensor) -> None:
+        for local in range(records.shape[0]):
+            rec = dict(zip(ERROR_FIELDS, records[local].tolist()))
+            if rec["flag"]:
+                what = _WHAT.get(rec["what"], "an unknown wait ({what})").format(**rec)
+                timeout = (f"{self.config.timeout_s:g} s" if self.device.type == "cuda"
+                           else f"{self.config.interpreter_max_spins} polls")
+                raise RuntimeError(
+                    f"UniEP forward failed on EP rank {rec['rank']} (call epoch {rec['epoch']}, task {rec['task']}): "
+                    f"{what}; expected {rec['expected']}, saw {rec['seen']} after {timeout}. A peer rank did not "
+                    f"reach this MoE layer or stopped sending (see the other ranks' errors). This workspace is "
+                    f"unusable now; rebuild it (or raise KernelConfig.timeout_s if a peer is merely slow)."
+                )
+
+    def check_errors(self) -> None:
+        """Raise RuntimeError if a kernel of this rank timed out (syncs with the device)."""
+        self._raise_from(self.control[:, CTL_ERROR:CTL_ERROR + len(ERROR_FIELDS)].cpu())
+
+    def poll_errors(self) -> None:
+        """Raise if an earlier queued copy of the error record (``schedule_error_poll``)
+        has landed and shows a failure. Never waits for the device."""
+        if self._error_event is None or torch.cuda.is_current_stream_capturing():
+            return
+        if self._error_poll_pending and self._error_event.query():
+            self._error_poll_pending = False
+            self._raise_from(self._error_host[:, CTL_ERROR:CTL_ERROR + len(ERROR_FIELDS)])
+
+    def schedule_error_poll(self) -> None:
+        """Queue a copy of the error record to pinned host memory on the current
+        stream (no sync); skipped during CUDA-graph capture."""
+        if self._error_event is None:
+            self.check_errors()
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self._error_host.copy_(self.control, non_blocking=True)  # whole rows: one contiguous async copy
+        self._error_event.record()
+        self._error_poll_pending = True
