@@ -101,18 +101,20 @@ def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top
     assert_correct(w, seq, fus, score_before=score_before)
 
 
-def test_staged_and_direct_combine_give_the_same_bits():
+def test_staged_direct_and_deferred_release_combine_give_the_same_bits():
     w = make_world(2, 8, 3, [10, 7], seed=5)
     config = interpreter_config(combine="staged")
     ws = Workspace.simulated(2, num_tokens=10, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
                              config=config)
     outs = {}
-    for combine in ("direct", "staged"):
-        outs[combine] = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                                              schedule="fused", score_before_experts=False, workspace=ws,
-                                              config=config.replace(combine=combine))
-    for a, b in zip(outs["direct"], outs["staged"]):
-        assert torch.equal(a, b)
+    for combine, defer in (("direct", True), ("direct", False), ("staged", False)):
+        outs[combine, defer] = simulated_moe_forward(
+            w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+            score_before_experts=False, workspace=ws, config=config.replace(combine=combine, defer_release=defer),
+        )
+    for key in (("direct", False), ("staged", False)):
+        for a, b in zip(outs["direct", True], outs[key]):
+            assert torch.equal(a, b), key
 
 
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing", "rank_with_no_tokens",
@@ -191,7 +193,9 @@ def test_memory_report_follows_the_documented_formula():
     assert sizes["y"] == 0
     assert sizes["arena"] >= sum(sizes[k] for k in ("tokens", "slot_copy", "slot_score", "tile_arrivals", "returned",
                                                     "token_arrivals", "tile_done", "counts", "count_flags"))
-    assert sizes["total"] == sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"]
+    blocks = 8192 * 8 // 128  # route blocks of 128 copies (E = 128)
+    assert sizes["route"] == 4 * (1 + blocks * 128 + 5 * 128 + 3 * 8192 * 8 + 3 * (slots // 128 + 64) + 1)
+    assert sizes["total"] == sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"] + sizes["route"]
     staged = memory_bytes(WorkspaceShape(**{**shape.__dict__, "staged_combine": True}))
     assert staged["y"] == slots * 2048 * 2 and staged["total"] == sizes["total"] + staged["y"]
 
@@ -210,16 +214,18 @@ def test_per_rank_launches_match_the_simulated_world():
                              dtype=torch.float32, config=cfg)
     whole = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                   schedule="sequential", score_before_experts=False, workspace=ws)
+    per_rank = ("h", "y", "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
+                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles")
     views = [SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, arena_ptrs=ws.arena_ptrs,
-                             anchors=ws.anchors, anchor_rank=ws.anchor_rank, device=ws.device, h=ws.h[r:r + 1], y=ws.y[r:r + 1],
-                             control=ws.control[r:r + 1], counts_all=ws.counts_all[r:r + 1], rank_base=r,
-                             num_local_ranks=1) for r in range(world)]
-    counts = [fused._count_copies(w["indices"][r], 8).unsqueeze(0) for r in range(world)]
-    for step in ("publish", "collect"):
+                             anchors=ws.anchors, anchor_rank=ws.anchor_rank, device=ws.device, rank_base=r,
+                             num_local_ranks=1, **{name: getattr(ws, name)[r:r + 1] for name in per_rank})
+             for r in range(world)]
+    for step in ("count", "publish", "collect", "place"):
         for r in range(world):
-            fused._exchange_counts(views[r], counts[r], cfg, publish=step == "publish", collect=step == "collect")
-    calls = [fused._prepare_rank_call(views[r], w["xs"][r], w["scores"][r], w["indices"][r], w["w1s"][r],
-                                      w["w2s"][r], w["w3s"][r], cfg, None) for r in range(world)]
+            indices = w["indices"][r].unsqueeze(0)
+            fused._route(views[r], indices, indices.shape[1], cfg, steps=[step])
+    calls = [fused._prepare_rank_call(views[r], w["xs"][r], w["scores"][r], w["w1s"][r], w["w2s"][r], w["w3s"][r],
+                                      None) for r in range(world)]
     for phase in ("dispatch", "fc1", "fc2", "send", "reduce"):
         for r in range(world):
             fused._launch(views[r], calls[r], cfg, False, [phase])
@@ -239,3 +245,55 @@ def test_workspace_grows_when_asked_and_keeps_working():
     assert ws.shape.token_capacity == 9
     seq, fus = run_both(w, score_before=False, workspace=ws)
     assert_correct(w, seq, fus, score_before=False)
+
+
+@pytest.mark.parametrize("world,num_experts,top_k,num_tokens,block_m,case", [
+    (2, 8, 3, [13, 9], 16, "random"),
+    (4, 8, 3, [7, 0, 5, 9], 16, "random"),
+    (2, 8, 2, [40, 33], 16, "skewed"),
+    (2, 2, 2, [9, 5], 4 * 4, "one_local_expert"),
+    (2, 128, 8, [300, 257], 128, "random"),
+    (4, 256, 8, [70, 65, 0, 3], 32, "empty_experts"),
+    (2, 6, 2, [11, 17], 16, "random"),  # E not a power of two
+])
+def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num_experts, top_k, num_tokens,
+                                                                      block_m, case):
+    """The Triton layout (kernels.route) gives exactly the arrays of the torch
+    definition (layout.compute_layout + compute_tiles), on every rank."""
+    from titan_uniep import fused
+    from titan_uniep.layout import compute_tiles
+
+    gen = torch.Generator().manual_seed(num_experts * 7 + sum(num_tokens))
+    indices = []
+    for t in num_tokens:
+        pool = torch.arange(num_experts)
+        if case == "empty_experts":
+            pool = pool[pool % 3 != 1]
+        picked = pool[torch.rand(t, len(pool), generator=gen).argsort(1)][:, :top_k]
+        if case == "skewed":
+            lacks = (picked != 3).all(1)
+            picked[lacks, -1] = 3
+        indices.append(picked.contiguous())
+    cfg = interpreter_config(block_m=block_m)
+    ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
+                             top_k=top_k, dtype=torch.float32, config=cfg)
+    cap = ws.shape.token_capacity
+    padded = torch.full((world, cap, top_k), -1, dtype=torch.int64)
+    for r, idx in enumerate(indices):
+        padded[r, :idx.shape[0]] = idx
+    ws.num_tokens.copy_(torch.tensor(num_tokens, dtype=torch.int32))
+    fused._route(ws, padded, None, cfg)
+    ws.check_errors()
+    counts_all = torch.stack([count_per_expert(i, num_experts) for i in indices])
+    for r in range(world):
+        assert torch.equal(ws.counts_all[r], counts_all)
+        layout = compute_layout(indices[r], counts_all, r)
+        tiles = compute_tiles(layout, indices[r], block_m, ws.shape.tile_capacity)
+        t = num_tokens[r]
+        assert torch.equal(ws.dest_rank[r, :t], layout.dest_rank.to(torch.int32)), f"rank {r}: dest_rank"
+        assert torch.equal(ws.dest_slot[r, :t], layout.dest_slot.to(torch.int32)), f"rank {r}: dest_slot"
+        assert torch.equal(ws.dest_tile[r, :t], tiles.dest_tile), f"rank {r}: dest_tile"
+        assert torch.equal(ws.tile_expert[r], tiles.tile_expert), f"rank {r}: tile_expert"
+        assert torch.equal(ws.tile_start[r], tiles.tile_start), f"rank {r}: tile_start"
+        assert torch.equal(ws.tile_end[r], tiles.tile_end), f"rank {r}: tile_end"
+        assert torch.equal(ws.num_tiles[r:r + 1], tiles.num_tiles), f"rank {r}: num_tiles"

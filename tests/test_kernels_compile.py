@@ -23,6 +23,7 @@ def compile_all() -> None:
 
     from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
+    from titan_uniep.kernels.route import route_histogram_kernel, route_layout_kernel
     from titan_uniep.kernels.sync import exchange_counts_kernel
 
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
@@ -58,13 +59,23 @@ def compile_all() -> None:
             if even:
                 assert "async_copy_global_to_local" in ttgir, "fc1 K-loop is not pipelined"
             for staged in (False, True):
-                ttgir = build(fc2_combine_kernel, b_ptrs, dict(NUM_LOCAL=2, BN=256, BD=256, STAGED=staged, **shape))
+                ttgir = build(fc2_combine_kernel, b_ptrs, dict(NUM_LOCAL=2, BN=256, BD=256, STAGED=staged,
+                                                               DEFER_RELEASE=not staged, **shape))
                 assert "warp_group_dot" in ttgir, "fc2 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc2 K-loop is not pipelined"
-    build(exchange_counts_kernel, dict(**anchors, counts_ptr=i64, counts_all_ptr=i64, control_ptr=i64, arena_ptrs=i64),
-          dict(WORLD=2, NUM_EXPERTS=128, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
-               BLOCK=1024, USE_TIMER=True), num_warps=4)
+    route = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32, tile_expert_ptr=i32,
+                 tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32)
+    for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):
+        build(exchange_counts_kernel, dict(**anchors, **route, counts_all_ptr=i64, control_ptr=i64, arena_ptrs=i64),
+              dict(WORLD=2, NUM_EXPERTS=experts, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
+                   BLOCK=1024, USE_TIMER=True, TOP_K=8, EP=experts, ELP=local_pow2, BM=128, ROUTE_BLOCK=route_block,
+                   SB=max(1, 8192 // experts), CB=256), num_warps=4)
+        build(route_histogram_kernel, dict(indices_ptr=i64, num_tokens_ptr=i32, block_counts_ptr=i32),
+              dict(NUM_EXPERTS=experts, EP=experts, TOP_K=8, BLOCK=route_block, TOKENS_FROM_HOST=True), num_warps=4)
+        build(route_layout_kernel, dict(indices_ptr=i64, **route, dest_rank_ptr=i32, dest_slot_ptr=i32,
+                                        dest_tile_ptr=i32),
+              dict(NUM_EXPERTS=experts, WORLD=2, TOP_K=8, BM=128, BLOCK=route_block), num_warps=4)
     print("COMPILED OK")
 
 

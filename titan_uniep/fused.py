@@ -2,7 +2,8 @@
 
 One MoE layer's routed-expert path, from router output to combined output:
 
-    counts exchange (device) -> layout.compute_layout / compute_tiles (device ops)
+    route kernels: counts, exchange, layout (kernels.route: layout.compute_layout
+    and compute_tiles, bitwise, in three small launches)
     -> megakernel A: dispatch + fc1 (w1, w3) + SwiGLU
     -> megakernel B: fc2 + combine
 
@@ -43,9 +44,10 @@ import triton
 
 from .kernels.dispatch_fc1 import dispatch_fc1_kernel
 from .kernels.fc2_combine import fc2_combine_kernel
+from .kernels.route import route_block, route_histogram_kernel, route_layout_kernel
 from .kernels.sync import exchange_counts_kernel
 from .kernels.tuning import KernelConfig
-from .layout import RouteLayout, compute_layout, compute_tiles, token_destinations
+from .layout import RouteLayout, token_destinations
 from .symm import Workspace
 
 __all__ = ["moe_forward", "simulated_moe_forward", "exchange_bytes", "SCHEDULES"]
@@ -106,9 +108,9 @@ def moe_forward(
     if check == "lazy":
         workspace.poll_errors()
     _check_inputs(workspace, x, top_scores, selected_experts_indices, w1, w2, w3)
-    counts = _count_copies(selected_experts_indices, workspace.shape.num_experts).unsqueeze(0)
-    _exchange_counts(workspace, counts, cfg)
-    call = _prepare_rank_call(workspace, x, top_scores, selected_experts_indices, w1, w2, w3, cfg, out)
+    indices = selected_experts_indices.contiguous().unsqueeze(0)
+    _route(workspace, indices, x.shape[0], cfg)
+    call = _prepare_rank_call(workspace, x, top_scores, w1, w2, w3, out)
     _launch(workspace, call, cfg, score_before_experts, _PHASES[schedule])
     _finish(workspace, check)
     return call.out[0]
@@ -156,8 +158,6 @@ def simulated_moe_forward(
     for r in range(world):
         _check_inputs(workspace, xs[r], scores[r], indices[r], w1s[r], w2s[r], w3s[r])
     device, cap = xs[0].device, shape.token_capacity
-    counts = torch.stack([_count_copies(idx, shape.num_experts) for idx in indices])
-    _exchange_counts(workspace, counts, cfg)
 
     def padded(tensors, dtype, fill=0):
         out = torch.full((world, cap, *tensors[0].shape[1:]), fill, dtype=dtype, device=device)
@@ -165,20 +165,20 @@ def simulated_moe_forward(
             out[r, : t.shape[0]] = t
         return out
 
-    layouts = [compute_layout(indices[r], workspace.counts_all[r], r) for r in range(world)]
-    tiles = [compute_tiles(layouts[r], indices[r], cfg.block_m, shape.tile_capacity) for r in range(world)]
+    workspace.num_tokens.copy_(torch.tensor(num_tokens, dtype=torch.int32))
+    _route(workspace, padded(indices, torch.int64, -1), None, cfg)
     out = torch.empty(world, cap, shape.dim, dtype=shape.dtype, device=device)
     call = _Call(
         x=padded(xs, shape.dtype),
         scores=padded(scores, torch.float32),
-        dest_rank=padded([lay.dest_rank for lay in layouts], torch.int32),
-        dest_slot=padded([lay.dest_slot for lay in layouts], torch.int32),
-        dest_tile=padded([t.dest_tile for t in tiles], torch.int32),
-        num_tokens=torch.tensor(num_tokens, dtype=torch.int32, device=device),
-        tile_expert=torch.stack([t.tile_expert for t in tiles]),
-        tile_start=torch.stack([t.tile_start for t in tiles]),
-        tile_end=torch.stack([t.tile_end for t in tiles]),
-        num_tiles=torch.cat([t.num_tiles for t in tiles]),
+        dest_rank=workspace.dest_rank,
+        dest_slot=workspace.dest_slot,
+        dest_tile=workspace.dest_tile,
+        num_tokens=workspace.num_tokens,
+        tile_expert=workspace.tile_expert,
+        tile_start=workspace.tile_start,
+        tile_end=workspace.tile_end,
+        num_tiles=workspace.num_tiles,
         w1=torch.stack([w.contiguous() for w in w1s]),
         w2=torch.stack([w.contiguous() for w in w2s]),
         w3=torch.stack([w.contiguous() for w in w3s]),
@@ -215,31 +215,59 @@ def exchange_bytes(layout: RouteLayout, dim: int, elem_size: int) -> dict[str, t
 _PHASES = {"fused": ("dispatch+fc1", "fc2+send+reduce"), "sequential": ("dispatch", "fc1", "fc2", "send", "reduce")}
 
 
-def _prepare_rank_call(ws, x, top_scores, selected_experts_indices, w1, w2, w3, cfg: KernelConfig,
-                       out: torch.Tensor | None) -> _Call:
-    """Layout (from the exchanged ``ws.counts_all[0]``) and arrays of one real rank (L = 1)."""
-    rank, num_tokens = ws.rank_base, x.shape[0]
-    layout = compute_layout(selected_experts_indices, ws.counts_all[0], rank)
-    tiles = compute_tiles(layout, selected_experts_indices, cfg.block_m, ws.shape.tile_capacity)
+def _prepare_rank_call(ws, x, top_scores, w1, w2, w3, out: torch.Tensor | None) -> _Call:
+    """Arrays of one real rank (L = 1); the layout ones are the workspace's,
+    filled by ``_route`` for this call."""
     if out is None:
         out = torch.empty_like(x)
     return _Call(
         x=x.contiguous().unsqueeze(0),
         scores=top_scores.to(torch.float32).contiguous().unsqueeze(0),
-        dest_rank=layout.dest_rank.to(torch.int32).unsqueeze(0),
-        dest_slot=layout.dest_slot.to(torch.int32).unsqueeze(0),
-        dest_tile=tiles.dest_tile.unsqueeze(0),
-        num_tokens=torch.full((1,), num_tokens, dtype=torch.int32, device=x.device),
-        tile_expert=tiles.tile_expert.unsqueeze(0),
-        tile_start=tiles.tile_start.unsqueeze(0),
-        tile_end=tiles.tile_end.unsqueeze(0),
-        num_tiles=tiles.num_tiles,
+        dest_rank=ws.dest_rank,
+        dest_slot=ws.dest_slot,
+        dest_tile=ws.dest_tile,
+        num_tokens=ws.num_tokens,
+        tile_expert=ws.tile_expert,
+        tile_start=ws.tile_start,
+        tile_end=ws.tile_end,
+        num_tiles=ws.num_tiles,
         w1=w1.contiguous().unsqueeze(0),
         w2=w2.contiguous().unsqueeze(0),
         w3=w3.contiguous().unsqueeze(0),
         out=out.unsqueeze(0),
     )
 
+
+def _route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, cfg: KernelConfig, *,
+           steps: Sequence[str] = ("count", "publish", "collect", "place")) -> None:
+    """This call's layout on the device: per-block counts, the counts exchange
+    (which also derives the per-expert tables and receive tiles), then every
+    copy's destination rank, slot and tile, into the workspace's arrays
+    (``kernels.route``; bitwise what ``layout.compute_layout`` and
+    ``compute_tiles`` give). ``indices``: ``(L, T, K)``, padded with -1 in a
+    simulated world. ``num_tokens``: this rank's ``T`` (real EP) or ``None``
+    (read from ``ws.num_tokens``). ``steps``: a subset, in order (tests drive
+    the ranks of a world one step at a time)."""
+    s = ws.shape
+    block = route_block(s.num_experts)
+    blocks = max(1, -(-indices.shape[1] * s.top_k // block))
+    grid = (blocks, ws.num_local_ranks)
+    from_host = num_tokens is not None
+    meta = dict(NUM_EXPERTS=s.num_experts, TOP_K=s.top_k, BLOCK=block, num_warps=4)
+    if "count" in steps:
+        route_histogram_kernel[grid](
+            indices, indices.stride(0), ws.num_tokens, num_tokens or 0, ws.block_counts, ws.block_counts.stride(0),
+            EP=triton.next_power_of_2(s.num_experts), TOKENS_FROM_HOST=from_host, **meta,
+        )
+    publish, collect = "publish" in steps, "collect" in steps
+    if publish or collect:
+        _exchange_counts(ws, cfg, publish=publish, collect=collect)
+    if "place" in steps:
+        route_layout_kernel[grid](
+            indices, indices.stride(0), ws.num_tokens, ws.block_counts, ws.block_counts.stride(0), ws.route_tables,
+            ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.dest_rank.stride(0), WORLD=s.world_size, BM=s.block_m,
+            **meta,
+        )
 
 
 def _check_schedule(schedule: str) -> None:
@@ -279,13 +307,6 @@ def _check_inputs(ws: Workspace, x, scores, indices, w1, w2, w3) -> None:
             raise ValueError(f"{name} must be {want} {s.dtype}, got {tuple(w.shape)} {w.dtype}")
 
 
-def _count_copies(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    # scatter_add, not bincount: bincount sizes its output on the host (a sync on CUDA).
-    flat = indices.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
-
-
 def _use_timer(ws: Workspace) -> bool:
     return ws.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -303,17 +324,20 @@ def _num_programs(ws: Workspace, cfg: KernelConfig) -> int:
     return cfg.num_comm_sms + 1
 
 
-def _exchange_counts(ws: Workspace, counts: torch.Tensor, cfg: KernelConfig, *, publish: bool = True,
-                     collect: bool = True) -> None:
+def _exchange_counts(ws: Workspace, cfg: KernelConfig, *, publish: bool = True, collect: bool = True) -> None:
     s, off = ws.shape, ws.element_offsets
+    experts = triton.next_power_of_2(s.num_experts)
     common = (
-        counts, ws.counts_all, ws.control, ws.arena_ptrs, ws.anchors[torch.int64], ws.anchors[torch.int32],
+        ws.block_counts, ws.block_counts.stride(0), ws.num_tokens, ws.counts_all, ws.route_tables, ws.tile_expert,
+        ws.tile_start, ws.tile_end, ws.num_tiles, ws.control, ws.arena_ptrs, ws.anchors[torch.int64], ws.anchors[torch.int32],
         ws.anchor_rank, ws.rank_base, off["counts"], off["count_flags"], off["tile_arrivals"], off["token_arrivals"],
         off["tile_done"], _timeout(ws, cfg),
     )
     meta = dict(
         WORLD=s.world_size, NUM_EXPERTS=s.num_experts, TILE_CAPACITY=s.tile_capacity,
         TOKEN_CAPACITY=s.token_capacity, BLOCK=1024, USE_TIMER=_use_timer(ws), num_warps=4,
+        TOP_K=s.top_k, EP=experts, ELP=triton.next_power_of_2(s.num_local_experts), BM=s.block_m,
+        ROUTE_BLOCK=route_block(s.num_experts), SB=max(1, 8192 // experts), CB=256,
     )
     grid = (ws.num_local_ranks,)
     if ws.num_local_ranks > 1:
@@ -369,7 +393,7 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=cfg.block_n_fc2, BK=cfg.block_k, GROUP_M=cfg.group_m,
             BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
             EVEN_K=s.hidden % cfg.block_k == 0, EVEN_N=s.dim % cfg.block_n_fc2 == 0, PRECISION=precision,
-            USE_TIMER=use_timer, STAGED=staged, **launch_opts,
+            USE_TIMER=use_timer, STAGED=staged, DEFER_RELEASE=cfg.defer_release and not staged, **launch_opts,
         )
 
     for phase in phases:

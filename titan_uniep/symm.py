@@ -26,9 +26,13 @@ count_flags        2 * W * 8          counts exchange (epoch of each table)
 
 each rounded up to 256 bytes. Local (not symmetric) per rank: ``h``
 ``S * H * b`` (fc1 output), ``y`` ``S * D * b`` (fc2 output, staged combine
-only), the exchanged ``counts_all`` ``W * E * 8`` and ``CONTROL_WORDS * 8`` of
-control words (task counters, epoch, error record).
-``memory_bytes()`` returns exactly these numbers.
+only), the exchanged ``counts_all`` ``W * E * 8``, ``CONTROL_WORDS * 8`` of
+control words (task counters, epoch, error record), and the current call's
+layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
+``block_counts`` ``(NB, E)`` with ``NB = ceil(T * K / route_block(E))``,
+``route_tables`` ``(5, E)``, ``dest_rank``/``dest_slot``/``dest_tile``
+``(T, K)``, ``tile_expert``/``tile_start``/``tile_end`` ``(C,)``,
+``num_tiles``). ``memory_bytes()`` returns exactly these numbers.
 
 Flags are never reset by a memset-and-barrier: each call's exchange bumps a
 per-rank epoch, publishes its counts tagged with it, and zeroes this rank's
@@ -71,6 +75,7 @@ from .kernels.sync import (
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
 )
+from .kernels.route import MAX_EXPERTS, ROUTE_TABLE_ROWS, num_route_blocks
 from .kernels.tuning import KernelConfig, default_config
 from .layout import slot_capacity, tile_capacity
 
@@ -144,14 +149,18 @@ class WorkspaceShape:
 def memory_bytes(shape: WorkspaceShape) -> dict[str, int]:
     """Bytes per rank, by buffer (see the module docstring for the formulas).
     Keys: the arena buffers, ``"arena"`` (their padded total, symmetric),
-    ``"h"``, ``"y"``, ``"counts_all"``, ``"control"`` (local) and ``"total"``."""
+    ``"h"``, ``"y"``, ``"counts_all"``, ``"control"``, ``"route"`` (local: the
+    layout arrays of ``kernels.route``) and ``"total"``."""
     sizes = dict(shape.arena_sizes())
     sizes["arena"] = shape.arena_offsets()[1]
     sizes["h"] = shape.slot_capacity * shape.hidden * shape.elem_size
     sizes["y"] = shape.slot_capacity * shape.dim * shape.elem_size if shape.staged_combine else 0
     sizes["counts_all"] = shape.world_size * shape.num_experts * 8
     sizes["control"] = CONTROL_WORDS * 8
-    sizes["total"] = sizes["arena"] + sizes["h"] + sizes["y"] + sizes["counts_all"] + sizes["control"]
+    t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
+    sizes["route"] = 4 * (1 + max(1, num_route_blocks(t, k, e)) * e + ROUTE_TABLE_ROWS * e + 3 * t * k + 3 * c + 1)
+    sizes["total"] = (sizes["arena"] + sizes["h"] + sizes["y"] + sizes["counts_all"] + sizes["control"]
+                      + sizes["route"])
     return sizes
 
 
@@ -181,6 +190,8 @@ class Workspace:
             raise ValueError(f"UniEP kernels support activations in {SUPPORTED_DTYPES}, got {shape.dtype}")
         if shape.num_experts % shape.world_size:
             raise ValueError(f"num_experts ({shape.num_experts}) must be divisible by the EP size ({shape.world_size})")
+        if shape.num_experts > MAX_EXPERTS:
+            raise ValueError(f"UniEP kernels support at most {MAX_EXPERTS} experts, got {shape.num_experts}")
         if config.block_m != shape.block_m:
             raise ValueError("shape.block_m must equal config.block_m")
         self.shape = shape
@@ -260,6 +271,18 @@ class Workspace:
         self.y = (torch.empty(n, shape.slot_capacity, shape.dim, dtype=shape.dtype, device=dev)
                   if shape.staged_combine else None)
         self.counts_all = torch.zeros(n, shape.world_size, shape.num_experts, dtype=torch.int64, device=dev)
+        # The layout of the current call, written by the route kernels (kernels.route), read by the megakernels.
+        t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
+        self.num_tokens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_counts = torch.zeros(n, max(1, num_route_blocks(t, k, e)), e, dtype=torch.int32, device=dev)
+        self.route_tables = torch.zeros(n, ROUTE_TABLE_ROWS, e, dtype=torch.int32, device=dev)
+        self.dest_rank = torch.zeros(n, t, k, dtype=torch.int32, device=dev)
+        self.dest_slot = torch.zeros(n, t, k, dtype=torch.int32, device=dev)
+        self.dest_tile = torch.zeros(n, t, k, dtype=torch.int32, device=dev)
+        self.tile_expert = torch.zeros(n, c, dtype=torch.int32, device=dev)
+        self.tile_start = torch.zeros(n, c, dtype=torch.int32, device=dev)
+        self.tile_end = torch.zeros(n, c, dtype=torch.int32, device=dev)
+        self.num_tiles = torch.zeros(n, dtype=torch.int32, device=dev)
         self.control = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, device=dev)
         pinned = dev.type == "cuda"
         self._error_host = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, pin_memory=pinned)

@@ -75,8 +75,10 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     w1, w2, w3 = global_weights(dev)
     mine = [local(w, rank, world) for w in (w1, w2, w3)]
+    # Built able to stage the combine (it allocates y), so both combine modes run on it.
+    direct = default_config(world)
     ws = Workspace.for_group(group, num_tokens=TOKENS, dim=DIM, hidden=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-                             dtype=torch.bfloat16, device=dev)
+                             dtype=torch.bfloat16, device=dev, config=direct.replace(combine="staged"))
     log(f"workspace bytes per rank: {ws.memory_bytes()}")
 
     # 1. correctness, bitwise schedules, several routings, one workspace
@@ -85,28 +87,33 @@ def main():
         x, scores, idx = routed_inputs(seed, num_tokens, dev, force=force)
         for score_before in (False, True):
             outs = {}
-            for combine in ("direct", "staged"):
+            for combine, defer in (("direct", False), ("direct", True), ("staged", False)):
                 for schedule in ("sequential", "fused"):
                     ws.poison()
-                    outs[schedule, combine] = moe_forward(
+                    outs[schedule, combine, defer] = moe_forward(
                         x, scores, idx, *mine, workspace=ws, schedule=schedule, score_before_experts=score_before,
-                        config=ws.config.replace(combine=combine), error_check="sync",
+                        config=direct.replace(combine=combine, defer_release=defer), error_check="sync",
                     )
-            first = outs["sequential", "direct"]
+            first = outs["sequential", "direct", False]
             for key, out in outs.items():
                 if not torch.equal(first, out):
                     raise AssertionError(f"rank {rank} {name}: {key} differs from sequential/direct")
             check_close(first, x, scores, idx, (w1, w2, w3), score_before, name)
-        log(f"PASS real EP {name}: fused == sequential bitwise (direct and staged combine), close to float64")
+        log(f"PASS real EP {name}: fused == sequential bitwise (direct, deferred-release and staged combine), "
+            "close to float64")
+
+    def fused_forward(x, scores, idx):
+        return moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False,
+                           config=direct)
 
     # 2. no host sync on the fused path
     x, scores, idx = routed_inputs(7, TOKENS, dev)
-    moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+    fused_forward(x, scores, idx)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            out = moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+            out = fused_forward(x, scores, idx)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     ws.check_errors()
@@ -118,18 +125,18 @@ def main():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe_forward(sx, ss, si, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+        fused_forward(sx, ss, si)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = moe_forward(sx, ss, si, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+        static_out = fused_forward(sx, ss, si)
     for step in range(3):
         x, scores, idx = routed_inputs(20 + step, TOKENS, dev, force=5 if step == 1 else None)
         sx.copy_(x), ss.copy_(scores), si.copy_(idx)
         graph.replay()
-        eager = moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False)
+        eager = fused_forward(x, scores, idx)
         torch.cuda.synchronize()
         ws.check_errors()
         if not torch.equal(static_out, eager):

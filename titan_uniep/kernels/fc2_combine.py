@@ -15,7 +15,9 @@ Tasks, claimed from atomic counters by a persistent grid:
    the source's ``token_arrivals[t]``. Combine ``"staged"``: the tile goes to
    this rank's ``y`` ``(L, S, D)`` and ``tile_done[tile]`` is bumped; the GEMM
    program never waits for NVLink (a release at system scope after remote
-   stores stalls the SM until they land).
+   stores stalls the SM until they land). ``defer_release`` (direct only):
+   a tile's arrivals are released after the program computed its next tile,
+   by which time the stores have landed and the release does not stall.
 1b. Send task (staged only; one tile): wait until all its column blocks are
    done, copy its rows to their sources' ``returned``, release one arrival
    per row. Run by the last ``num_combine_sms`` programs from the start and
@@ -92,22 +94,27 @@ def fc2_tile(
 
 
 @triton.jit
-def return_rows_to_sources(
-    y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena_ptrs, act_anchor, i32_anchor, anchor_rank,
-    off_returned, off_token_arrivals, token_capacity, DIM: tl.constexpr, TOP_K: tl.constexpr,
+def store_rows_to_sources(
+    y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena_ptrs, act_anchor, anchor_rank, off_returned,
+    token_capacity, DIM: tl.constexpr, TOP_K: tl.constexpr,
 ):
-    """Store each finished row at its source's ``returned[t * K + k]``, then
-    release one arrival on the source's ``token_arrivals[t]``."""
+    """Store each finished row at its source's ``returned[t * K + k]``;
+    returns (source rank, token) of each row for ``release_token_arrivals``."""
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     per_rank = token_capacity * TOP_K
     source = copy_id // per_rank
     row = (copy_id % per_rank).to(tl.int64)
-    token = row // TOP_K
     returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
     tl.store(returned[:, None] + row[:, None] * DIM + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
-    tl.debug_barrier()
+    return source, row // TOP_K
+
+
+@triton.jit
+def release_token_arrivals(source, token, mask, arena_ptrs, i32_anchor, anchor_rank, off_token_arrivals):
+    """One release arrival per stored row on its source's ``token_arrivals[t]``
+    (the caller put a barrier between the row stores and this)."""
     arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
-    tl.atomic_add(arrivals + token, 1, mask=mask_m, sem="release", scope="sys")
+    tl.atomic_add(arrivals + token, 1, mask=mask, sem="release", scope="sys")
 
 
 @triton.jit
@@ -244,8 +251,16 @@ def fc2_combine_kernel(
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
     STAGED: tl.constexpr,
+    DEFER_RELEASE: tl.constexpr,
 ):
     col_blocks = tl.cdiv(DIM, BN)
+    # Direct combine with DEFER_RELEASE: a tile's arrivals are released after
+    # the program's next tile has been computed, so the system-scope release
+    # (which waits until the tile's remote stores have landed) finds them
+    # done instead of stalling the SM; the last tile's go out after the loop.
+    pending_source = tl.zeros([BM], dtype=tl.int32)
+    pending_token = tl.zeros([BM], dtype=tl.int64)
+    pending = tl.zeros([BM], dtype=tl.int1)
     # Send-only programs are the last ones: under the interpreter, programs run
     # in order and the GEMM programs (producers) must come first.
     send_only = STAGED & (tl.program_id(0) >= tl.num_programs(0) - num_send_programs)
@@ -280,13 +295,27 @@ def fc2_combine_kernel(
                         tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done)
                         tl.atomic_add(tile_done + tile, 1, sem="release", scope="gpu")
                     else:
-                        return_rows_to_sources(
+                        if DEFER_RELEASE:
+                            release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor,
+                                                   anchor_rank, off_token_arrivals)
+                        source, token = store_rows_to_sources(
                             y, offs_m, mask_m, offs_n, mask_n,
                             arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
-                            arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned, off_token_arrivals,
-                            token_capacity, DIM, TOP_K,
+                            arena_ptrs, act_anchor, anchor_rank, off_returned, token_capacity, DIM, TOP_K,
                         )
+                        # Every thread's row stores before any arrival is released.
+                        tl.debug_barrier()
+                        if DEFER_RELEASE:
+                            pending_source = source
+                            pending_token = token
+                            pending = mask_m
+                        else:
+                            release_token_arrivals(source, token, mask_m, arena_ptrs, i32_anchor, anchor_rank,
+                                                   off_token_arrivals)
             task = next_task(control_ptr, _CTL_FC2_TASKS)
+        if DEFER_RELEASE:
+            release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,
+                                   off_token_arrivals)
 
     if STAGED:
         if do_send != 0:

@@ -27,6 +27,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
+from .route import ROUTE_TABLE_ROWS, scan_block_counts, write_route_tables
+
+_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
+
 CONTROL_WORDS = 16
 # Task counters (zeroed by the exchange at the start of every call).
 CTL_DISPATCH_TASKS = 0
@@ -147,8 +151,15 @@ def next_task(control_row0, which):
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout"])
 def exchange_counts_kernel(
-    counts_ptr,  # (L, E) int64: this call's copies per global expert, per local rank
+    block_counts_ptr,  # (L, NB, E) int32: per-block histograms in, exclusive prefixes out (kernels.route)
+    block_rank_stride,
+    num_tokens_ptr,  # (L,) int32
     counts_all_ptr,  # (L, W, E) int64 out: the exchanged table, identical on every rank
+    route_tables_ptr,  # (L, ROUTE_TABLE_ROWS, E) int32 out (kernels.route)
+    tile_expert_ptr,  # (L, C) int32 out
+    tile_start_ptr,  # (L, C) int32 out
+    tile_end_ptr,  # (L, C) int32 out
+    num_tiles_ptr,  # (L,) int32 out
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64: every rank's arena base address
     i64_anchor,  # the arena of anchor_rank, as int64
@@ -169,6 +180,13 @@ def exchange_counts_kernel(
     COLLECT: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    TOP_K: tl.constexpr,
+    EP: tl.constexpr,  # next power of two >= NUM_EXPERTS
+    ELP: tl.constexpr,  # next power of two >= NUM_EXPERTS // WORLD
+    BM: tl.constexpr,  # rows per GEMM tile
+    ROUTE_BLOCK: tl.constexpr,  # copies per block of block_counts
+    SB: tl.constexpr,  # blocks per step of the scan
+    CB: tl.constexpr,  # tiles per step of the tile table
 ):
     """One program per local rank.
 
@@ -181,8 +199,13 @@ def exchange_counts_kernel(
     publish call N+1 while this rank still reads call N's table, never N+2
     (publishing N+2 needs this rank's flag of N+1).
 
+    Its counts are the totals of the per-block histograms of
+    ``route_histogram_kernel``, which the scan turns into exclusive prefix
+    sums in place (``route_layout_kernel`` reads them).
+
     COLLECT: wait (bounded) until every rank's flag shows this epoch, then copy
-    the table out. A real rank does both in one launch; the simulated world
+    the table out and derive the per-expert route tables and this rank's
+    receive tiles from it (``kernels.route.write_route_tables``). A real rank does both in one launch; the simulated world
     runs PUBLISH for all ranks, then COLLECT, so no program waits on a later one.
     """
     local = tl.program_id(0)
@@ -203,12 +226,14 @@ def exchange_counts_kernel(
         epoch = tl.load(control + _CTL_EPOCH) + 1
         tl.store(control + _CTL_EPOCH, epoch)
         parity = epoch % 2
+        num_blocks = tl.cdiv(tl.load(num_tokens_ptr + local) * TOP_K, ROUTE_BLOCK)
+        counts = scan_block_counts(block_counts_ptr + local.to(tl.int64) * block_rank_stride, num_blocks,
+                                   NUM_EXPERTS, EP, SB).to(tl.int64)
+        experts = tl.arange(0, EP)
         for peer in range(WORLD):
             table = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, peer, off_counts)
             row = table + (parity * WORLD + rank) * NUM_EXPERTS
-            for e in range(0, NUM_EXPERTS, BLOCK):
-                value = tl.load(counts_ptr + local * NUM_EXPERTS + e + offs, mask=e + offs < NUM_EXPERTS)
-                tl.store(row + e + offs, value, mask=e + offs < NUM_EXPERTS)
+            tl.store(row + experts, counts, mask=experts < NUM_EXPERTS)
         tl.debug_barrier()
         for peer in range(WORLD):
             flags = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, peer, off_count_flags)
@@ -226,3 +251,9 @@ def exchange_counts_kernel(
         for i in range(0, total, BLOCK):
             value = tl.load(table + i + offs, mask=i + offs < total, cache_modifier=".cg")
             tl.store(counts_all_ptr + local * total + i + offs, value, mask=i + offs < total)
+        write_route_tables(
+            table, rank, route_tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS),
+            tile_expert_ptr + local * TILE_CAPACITY, tile_start_ptr + local * TILE_CAPACITY,
+            tile_end_ptr + local * TILE_CAPACITY, num_tiles_ptr + local,
+            WORLD, NUM_EXPERTS, EP, ELP, BM, TILE_CAPACITY, CB,
+        )

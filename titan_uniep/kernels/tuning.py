@@ -55,6 +55,15 @@ class KernelConfig:
     separate send tasks move it, so GEMM programs never stall on NVLink.
     Measured equal or slower on 2 x H200 (docs/performance.md), hence off."""
 
+    defer_release: bool = False
+    """Direct combine: release a tile's row arrivals (system scope) only after
+    the program has computed its next fc2 tile, instead of right after the
+    tile's remote stores, so the release finds the stores landed and does not
+    stall the SM. Changes when the reduce may start, never a value. Measured
+    on 2 x H200 (docs/performance.md, run 4): qwen3-like 1% faster,
+    deepseek-like 4% and mixtral-like 1% slower (the reduce starts one tile
+    later), hence off."""
+
     num_combine_sms: int = 16
     """Programs of megakernel B that only send (staged combine) before joining
     the reduce tasks."""

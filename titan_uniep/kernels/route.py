@@ -1,0 +1,246 @@
+"""The deterministic layout (``titan_uniep.layout``) on the device, in Triton.
+
+``layout.compute_layout`` + ``compute_tiles`` are about 45 small torch ops;
+at qwen3-like sizes their launches cost as much host time as the whole
+layer's GPU time. The same arrays come from three launches here, bitwise
+equal to the torch functions (``tests/test_kernels.py`` asserts it; the torch
+version stays the one definition and the oracle):
+
+1. ``route_histogram_kernel`` (grid: copy blocks x local ranks): copies per
+   expert in each block of ``BLOCK`` flat copy ids ``j = t * K + k``, into
+   ``block_counts`` ``(NB, E) int32``.
+2. ``exchange_counts_kernel`` (``kernels.sync``) calls two helpers from here:
+   ``scan_block_counts`` turns ``block_counts`` into exclusive prefix sums
+   over blocks in place and returns the per-expert totals it publishes, and
+   ``write_route_tables`` turns the exchanged ``(W, E)`` table into the
+   per-expert tables and this rank's receive tiles.
+3. ``route_layout_kernel`` (grid: copy blocks x local ranks): for every copy,
+   ``within`` = copies of its expert in earlier blocks (the prefix) + earlier
+   in its own block, then ``dest_rank``, ``dest_slot``, ``dest_tile``.
+
+Per-expert tables, ``route_tables`` ``(ROUTE_TABLE_ROWS, E) int32`` per local
+rank (``e`` global expert, ``s`` this rank):
+
+- ``ROW_SLOT_BASE``: ``expert_base[e] + src_prefix[s, e]``: slot of this rank's
+  first copy of ``e`` on ``e``'s owner; ``dest_slot = ROW_SLOT_BASE[e] + within``;
+- ``ROW_SRC_PREFIX``: ``src_prefix[s, e]``, copies of lower ranks for ``e``;
+- ``ROW_TILE_BASE``: first tile of ``e`` on its owner;
+  ``dest_tile = ROW_TILE_BASE[e] + (src_prefix[s, e] + within) // block_m``;
+- ``ROW_EXPERT_BASE``: ``expert_base[e]``, first slot of ``e`` on its owner;
+- ``ROW_ROWS``: slots of ``e`` on its owner (all sources).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ROW_SLOT_BASE, ROW_SRC_PREFIX, ROW_TILE_BASE, ROW_EXPERT_BASE, ROW_ROWS = range(5)
+ROUTE_TABLE_ROWS = 5
+# The exchange holds one row of all experts in registers.
+MAX_EXPERTS = 1024
+
+_ROW_SLOT_BASE = tl.constexpr(ROW_SLOT_BASE)
+_ROW_SRC_PREFIX = tl.constexpr(ROW_SRC_PREFIX)
+_ROW_TILE_BASE = tl.constexpr(ROW_TILE_BASE)
+_ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
+_ROW_ROWS = tl.constexpr(ROW_ROWS)
+_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
+
+
+def route_block(num_experts: int) -> int:
+    """Copies per block of the histogram/layout kernels: a (block, experts)
+    one-hot and a (block, block) comparison stay around 16K elements."""
+    return max(16, min(128, 16384 // triton.next_power_of_2(num_experts)))
+
+
+def num_route_blocks(num_tokens: int, top_k: int, num_experts: int) -> int:
+    return -(-num_tokens * top_k // route_block(num_experts))
+
+
+@triton.jit
+def _num_tokens_of(num_tokens_ptr, local, host_num_tokens, TOKENS_FROM_HOST: tl.constexpr):
+    if TOKENS_FROM_HOST:
+        return host_num_tokens
+    else:
+        return tl.load(num_tokens_ptr + local)
+
+
+@triton.jit(do_not_specialize=["host_num_tokens"])
+def route_histogram_kernel(
+    indices_ptr,  # (L, T, K) int: global expert of each copy
+    index_rank_stride,
+    num_tokens_ptr,  # (L,) int32: tokens per local rank (written here when TOKENS_FROM_HOST)
+    host_num_tokens,  # tokens of the one local rank (TOKENS_FROM_HOST)
+    block_counts_ptr,  # (L, NB, E) int32 out: copies per expert in each block
+    block_rank_stride,
+    NUM_EXPERTS: tl.constexpr,
+    EP: tl.constexpr,  # next power of two >= NUM_EXPERTS
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKENS_FROM_HOST: tl.constexpr,
+):
+    """Program (b, l): histogram of local rank l's copies ``[b * BLOCK, (b + 1) * BLOCK)``."""
+    block = tl.program_id(0)
+    local = tl.program_id(1)
+    num_tokens = _num_tokens_of(num_tokens_ptr, local, host_num_tokens, TOKENS_FROM_HOST)
+    if TOKENS_FROM_HOST:
+        # Later launches read the count from the device (no per-call host-to-device copy).
+        if block == 0:
+            tl.store(num_tokens_ptr + local, num_tokens)
+    num_copies = num_tokens * TOP_K
+    if block * BLOCK < num_copies:
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < num_copies
+        expert = tl.load(indices_ptr + local.to(tl.int64) * index_rank_stride + offs, mask=mask, other=-1).to(tl.int32)
+        experts = tl.arange(0, EP)
+        hits = (expert[:, None] == experts[None, :]).to(tl.int32)
+        counts = tl.sum(hits, axis=0)
+        row = block_counts_ptr + local.to(tl.int64) * block_rank_stride + block * NUM_EXPERTS
+        tl.store(row + experts, counts, mask=experts < NUM_EXPERTS)
+
+
+@triton.jit
+def scan_block_counts(block_counts, num_blocks, NUM_EXPERTS: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr):
+    """``block_counts`` ``(num_blocks, E) int32`` per-block histograms ->
+    exclusive prefix sums over blocks, in place. Returns the totals ``(EP,)``
+    (copies per expert; zero past ``NUM_EXPERTS``)."""
+    experts = tl.arange(0, EP)
+    mask_e = experts < NUM_EXPERTS
+    running = tl.zeros([EP], dtype=tl.int32)
+    b0 = 0
+    while b0 < num_blocks:
+        blocks = b0 + tl.arange(0, SB)
+        mask = (blocks < num_blocks)[:, None] & mask_e[None, :]
+        ptrs = block_counts + blocks[:, None] * NUM_EXPERTS + experts[None, :]
+        counts = tl.load(ptrs, mask=mask, other=0)
+        inclusive = tl.cumsum(counts, axis=0)
+        tl.store(ptrs, inclusive - counts + running[None, :], mask=mask)
+        running += tl.sum(counts, axis=0)
+        b0 += SB
+    return running
+
+
+@triton.jit
+def write_route_tables(
+    counts_table,  # (W, E) int64: the exchanged table (peer-written: read through L2)
+    rank,
+    tables,  # (ROUTE_TABLE_ROWS, E) int32 out
+    tile_expert_ptr,  # (C,) int32 out
+    tile_start_ptr,  # (C,) int32 out
+    tile_end_ptr,  # (C,) int32 out
+    num_tiles_ptr,  # (1,) int32 out
+    WORLD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    EP: tl.constexpr,
+    ELP: tl.constexpr,  # next power of two >= E / W
+    BM: tl.constexpr,
+    TILE_CAPACITY: tl.constexpr,
+    CB: tl.constexpr,
+):
+    """The per-expert tables and this rank's receive tiles (see the module
+    docstring), as ``layout.compute_layout`` / ``compute_tiles`` define them."""
+    NUM_LOCAL: tl.constexpr = NUM_EXPERTS // WORLD
+    experts = tl.arange(0, EP)
+    mask_e = experts < NUM_EXPERTS
+    rows = tl.zeros([EP], dtype=tl.int32)
+    src_prefix = tl.zeros([EP], dtype=tl.int32)
+    for source in range(WORLD):
+        counts = tl.load(counts_table + source * NUM_EXPERTS + experts, mask=mask_e, other=0,
+                         cache_modifier=".cg").to(tl.int32)
+        rows += counts
+        src_prefix += tl.where(source < rank, counts, 0)
+    tiles = (rows + (BM - 1)) // BM
+    # Exclusive prefix sums inside each owner's segment of NUM_LOCAL experts:
+    # global exclusive prefix minus its value at the segment's first expert,
+    # gathered back through the output rows (stored, barrier, loaded).
+    rows_before = tl.cumsum(rows, axis=0) - rows
+    tiles_before = tl.cumsum(tiles, axis=0) - tiles
+    tl.store(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + experts, rows_before, mask=mask_e)
+    tl.store(tables + _ROW_TILE_BASE * NUM_EXPERTS + experts, tiles_before, mask=mask_e)
+    tl.debug_barrier()
+    segment = (experts // NUM_LOCAL) * NUM_LOCAL
+    rows_seg = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + segment, mask=mask_e, other=0)
+    tiles_seg = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + segment, mask=mask_e, other=0)
+    tl.debug_barrier()
+    expert_base = rows_before - rows_seg
+    tl.store(tables + _ROW_SLOT_BASE * NUM_EXPERTS + experts, expert_base + src_prefix, mask=mask_e)
+    tl.store(tables + _ROW_SRC_PREFIX * NUM_EXPERTS + experts, src_prefix, mask=mask_e)
+    tl.store(tables + _ROW_TILE_BASE * NUM_EXPERTS + experts, tiles_before - tiles_seg, mask=mask_e)
+    tl.store(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + experts, expert_base, mask=mask_e)
+    tl.store(tables + _ROW_ROWS * NUM_EXPERTS + experts, rows, mask=mask_e)
+    tl.debug_barrier()
+
+    # Receive side: this rank's experts rank * NUM_LOCAL + l, cut into tiles.
+    mine = rank * NUM_LOCAL
+    local_experts = tl.arange(0, ELP)
+    mask_l = local_experts < NUM_LOCAL
+    my_tile_base = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + mine + local_experts, mask=mask_l, other=0)
+    my_rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS + mine + local_experts, mask=mask_l, other=0)
+    my_tiles = (my_rows + (BM - 1)) // BM
+    my_tiles_end = tl.where(mask_l, my_tile_base + my_tiles, 1 << 30)
+    tl.store(num_tiles_ptr, tl.sum(tl.where(mask_l, my_tiles, 0), axis=0))
+    for c0 in range(0, TILE_CAPACITY, CB):
+        tile = c0 + tl.arange(0, CB)
+        # searchsorted(cumsum(my_tiles), tile, right=True)
+        expert = tl.sum((my_tiles_end[None, :] <= tile[:, None]).to(tl.int32), axis=1)
+        used = expert < NUM_LOCAL
+        expert = tl.minimum(expert, NUM_LOCAL - 1)
+        base = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + mine + expert)
+        first_tile = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + mine + expert)
+        expert_rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS + mine + expert)
+        start = base + (tile - first_tile) * BM
+        end = tl.minimum(start + BM, base + expert_rows)
+        in_range = tile < TILE_CAPACITY
+        tl.store(tile_expert_ptr + tile, tl.where(used, expert, 0), mask=in_range)
+        tl.store(tile_start_ptr + tile, tl.where(used, start, 0), mask=in_range)
+        tl.store(tile_end_ptr + tile, tl.where(used, end, 0), mask=in_range)
+
+
+@triton.jit
+def route_layout_kernel(
+    indices_ptr,  # (L, T, K) int: global expert of each copy
+    index_rank_stride,
+    num_tokens_ptr,  # (L,) int32
+    block_counts_ptr,  # (L, NB, E) int32: exclusive prefix over blocks (after the exchange)
+    block_rank_stride,
+    route_tables_ptr,  # (L, ROUTE_TABLE_ROWS, E) int32
+    dest_rank_ptr,  # (L, T_cap, K) int32 out
+    dest_slot_ptr,  # (L, T_cap, K) int32 out
+    dest_tile_ptr,  # (L, T_cap, K) int32 out
+    dest_rank_stride,
+    NUM_EXPERTS: tl.constexpr,
+    WORLD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (b, l): destination rank, slot and tile of local rank l's copies
+    ``[b * BLOCK, (b + 1) * BLOCK)``. An expert id outside ``[0, E)`` gets
+    rank and slot -1 (the dispatch reports it as a bad slot)."""
+    NUM_LOCAL: tl.constexpr = NUM_EXPERTS // WORLD
+    block = tl.program_id(0)
+    local = tl.program_id(1)
+    num_copies = tl.load(num_tokens_ptr + local) * TOP_K
+    if block * BLOCK < num_copies:
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < num_copies
+        expert = tl.load(indices_ptr + local.to(tl.int64) * index_rank_stride + offs, mask=mask, other=-1).to(tl.int32)
+        valid = mask & (expert >= 0) & (expert < NUM_EXPERTS)
+        expert = tl.where(valid, expert, 0)
+        # Rank among this block's copies of the same expert, in flat-id order
+        # (the stable sort of compute_layout).
+        earlier = tl.arange(0, BLOCK)[None, :] < tl.arange(0, BLOCK)[:, None]
+        same = (expert[None, :] == expert[:, None]) & earlier & valid[None, :]
+        in_block = tl.sum(same.to(tl.int32), axis=1)
+        prefix = tl.load(block_counts_ptr + local.to(tl.int64) * block_rank_stride + block * NUM_EXPERTS + expert,
+                         mask=valid, other=0)
+        within = prefix + in_block
+        tables = route_tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS)
+        slot = tl.load(tables + _ROW_SLOT_BASE * NUM_EXPERTS + expert) + within
+        src_prefix = tl.load(tables + _ROW_SRC_PREFIX * NUM_EXPERTS + expert)
+        tile = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + expert) + (src_prefix + within) // BM
+        out = local.to(tl.int64) * dest_rank_stride + offs
+        tl.store(dest_rank_ptr + out, tl.where(valid, expert // NUM_LOCAL, -1), mask=mask)
+        tl.store(dest_slot_ptr + out, tl.where(valid, slot, -1), mask=mask)
+        tl.store(dest_tile_ptr + out, tl.where(valid, tile, 0), mask=mask)
