@@ -29,9 +29,12 @@ for model in ${MODELS:-deepseek_v3_debug qwen3_debug_moe}; do
     for sched in ${SCHEDULES:-reference sequential fused}; do
         train "$model-$sched" "$uni" --uniep.schedule "$sched"
     done
-    echo "== $model: baseline vs UniEP reference / fused"
-    python3 -m titan_uniep.compare_loss "$OUT/$model-base" "$OUT/$model-reference" --rtol 2e-2 | tail -3
-    python3 -m titan_uniep.compare_loss "$OUT/$model-base" "$OUT/$model-fused" --rtol 2e-2 | tail -3
-    echo "== $model: fused vs sequential (bitwise)"
-    python3 -m titan_uniep.compare_loss "$OUT/$model-sequential" "$OUT/$model-fused" --assert-bitwise | tail -2
+    for sched in ${SCHEDULES:-reference sequential fused}; do
+        echo "== $model: baseline vs UniEP $sched"
+        python3 -m titan_uniep.compare_loss "$OUT/$model-base" "$OUT/$model-$sched" --rtol 2e-2 | tail -3
+    done
+    if [ -d "$OUT/$model-sequential" ] && [ -d "$OUT/$model-fused" ]; then
+        echo "== $model: fused vs sequential (bitwise)"
+        python3 -m titan_uniep.compare_loss "$OUT/$model-sequential" "$OUT/$model-fused" --assert-bitwise | tail -2
+    fi
 done

@@ -30,6 +30,7 @@ qwen3-like shapes the host, not the GPU, sets the pace).
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import os
 import statistics
@@ -306,7 +307,15 @@ def check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, config, titan, args
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--backward" in argv:
+        # Forward + backward side by side lives in its own module.
+        from titan_uniep.bench_backward import main as backward_main
+
+        argv.remove("--backward")
+        return backward_main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backward", action="store_true", help="forward + backward (titan_uniep.bench_backward)")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=768)

@@ -7,17 +7,17 @@ custom op makes it opaque to ``torch.compile`` (the rest of the model still
 compiles) and lets selective activation checkpointing save its output
 (``titan_uniep.parallelize`` adds it to TorchTitan's SAC save list).
 
-Backward (until the backward megakernels land): the reference schedule is
-re-run under autograd on the saved inputs and differentiated. It is
-deterministic, and both kernel schedules share it, so every gradient is
-bitwise equal across ``sequential`` and ``fused``; it costs one extra
-reference forward per layer.
+Backward: the backward megakernels of ``titan_uniep.fused_backward`` with
+the same schedule as the forward. The op saves only its inputs; the backward
+re-dispatches x next to the output gradient and recomputes h1, h3 (and y for
+the score gradient). Every gradient is bitwise equal across ``sequential``
+and ``fused``.
 
-Workspaces: one per (EP group, layer shape, dtype, device), built on the
-first call (a collective: every EP rank reaches its first MoE layer
-together) and reused by every layer and step, sized for the largest token
-count known then (``reserve_tokens``, set by the parallelize hook from the
-job's batch and sequence length).
+Workspaces: one forward and one backward workspace per (EP group, layer
+shape, dtype, device), built on first use (a collective: every EP rank
+reaches its first MoE layer together) and reused by every layer and step,
+sized for the largest token count known then (``reserve_tokens``, set by the
+parallelize hook from the job's batch and sequence length).
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from titan_uniep.fused import moe_forward
-from titan_uniep.schedules import Routing, reference_schedule, register_schedule
+from titan_uniep.fused_backward import BackwardWorkspace, moe_backward
+from titan_uniep.schedules import Routing, register_schedule
 from titan_uniep.symm import Workspace
 
 __all__ = ["moe_experts", "reserve_tokens", "workspace_for"]
 
-_workspaces: dict[tuple, Workspace] = {}
+_workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
 
 
@@ -43,24 +44,27 @@ def reserve_tokens(group: dist.ProcessGroup, num_tokens: int) -> None:
     _reserved_tokens[name] = max(_reserved_tokens.get(name, 0), num_tokens)
 
 
-def workspace_for(group_name: str, x: torch.Tensor, w1: torch.Tensor, num_experts: int, top_k: int) -> Workspace:
-    """The workspace of this group and layer shape, built on first use."""
-    key = (group_name, x.shape[1], w1.shape[1], num_experts, top_k, x.dtype, x.device)
+def workspace_for(
+    group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, *, backward: bool = False
+) -> Workspace | BackwardWorkspace:
+    """The forward (or backward) workspace of this group and layer shape, built on first use."""
+    group = _resolve_process_group(group_name)
+    num_experts = w1.shape[0] * dist.get_world_size(group)
+    key = (group_name, backward, x.shape[1], w1.shape[1], num_experts, top_k, x.dtype, x.device)
     ws = _workspaces.get(key)
     num_tokens = x.shape[0]
     if ws is None:
-        group = _resolve_process_group(group_name)
         capacity = max(num_tokens, _reserved_tokens.get(group_name, 0), 1)
-        ws = Workspace.for_group(
+        ws = (BackwardWorkspace if backward else Workspace).for_group(
             group, num_tokens=capacity, dim=x.shape[1], hidden=w1.shape[1], num_experts=num_experts,
             top_k=top_k, dtype=x.dtype, device=x.device,
         )
         _workspaces[key] = ws
-    elif num_tokens > ws.shape.token_capacity:
+    elif num_tokens > (capacity := getattr(ws, "inner", ws).shape.token_capacity):
         # Growing is a collective; a single rank discovering it mid-step
         # cannot make its peers join, so fail clearly instead of hanging.
         raise RuntimeError(
-            f"UniEP workspace holds {ws.shape.token_capacity} tokens per rank, this MoE call has {num_tokens}. "
+            f"UniEP workspace holds {capacity} tokens per rank, this MoE call has {num_tokens}. "
             "Call titan_uniep.ops.reserve_tokens(ep_group, N) on every rank before the first step, "
             "or Workspace.ensure_capacity(N) on every rank between steps."
         )
@@ -80,8 +84,7 @@ def moe_experts(
     score_before_experts: bool,
 ) -> torch.Tensor:
     """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.fused)."""
-    world = dist.get_world_size(_resolve_process_group(group_name))
-    ws = workspace_for(group_name, x, w1, w1.shape[0] * world, selected_experts_indices.shape[1])
+    ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1])
     return moe_forward(
         x, top_scores, selected_experts_indices, w1.contiguous(), w2.contiguous(), w3.contiguous(),
         workspace=ws, schedule=schedule, score_before_experts=score_before_experts,
@@ -97,21 +100,18 @@ def _setup_context(ctx, inputs, output) -> None:
     x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before = inputs
     ctx.save_for_backward(x, top_scores, indices, w1, w2, w3)
     ctx.group_name = group_name
+    ctx.schedule = schedule
     ctx.score_before = score_before
 
 
 def _backward(ctx, grad_out: torch.Tensor):
     x, top_scores, indices, w1, w2, w3 = ctx.saved_tensors
-    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, top_scores, w1, w2, w3)]
-    needs = [t for t in leaves if t.requires_grad]
-    with torch.enable_grad():
-        out = reference_schedule(
-            leaves[0], Routing(leaves[1], indices), leaves[2], leaves[3], leaves[4],
-            group=_resolve_process_group(ctx.group_name), score_before_experts=ctx.score_before,
-        )
-    grads = iter(torch.autograd.grad(out, needs, grad_out, allow_unused=True) if needs else ())
-    dx, dscores, dw1, dw2, dw3 = (next(grads) if t.requires_grad else None for t in leaves)
-    return dx, dscores, None, dw1, dw2, dw3, None, None, None
+    ws = workspace_for(ctx.group_name, x, w1, indices.shape[1], backward=True)
+    dx, dscores, dw1, dw2, dw3 = moe_backward(
+        grad_out.contiguous(), x, top_scores, indices, w1.contiguous(), w2.contiguous(), w3.contiguous(),
+        workspace=ws, schedule=ctx.schedule, score_before_experts=ctx.score_before,
+    )
+    return dx, dscores.to(top_scores.dtype), None, dw1, dw2, dw3, None, None, None
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,207 @@
+"""UniEP backward megakernels on a simulated world (CPU, Triton interpreter).
+
+fp32 data (the interpreter's bf16 tl.dot is wrong; bf16 runs in tests/gpu/).
+Every run poisons the backward workspace with NaN first. Each gradient (x,
+scores, w1, w2, w3) is checked against autograd of the float64 reference and
+of the layout reference (torch, fp32), and fused against sequential bitwise.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
+from titan_uniep.kernels import interpreter_config
+from titan_uniep.reference_math import float64_moe_reference, layout_reference_forward
+
+if torch.cuda.is_available():
+    pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
+if not isinstance(tl.standard.cdiv, InterpretedFunction):
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1; run in a subprocess", allow_module_level=True)
+
+DIM, HIDDEN = 32, 48
+NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
+
+
+def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, force=None):
+    gen = torch.Generator().manual_seed(seed)
+    el = num_experts // world
+    w1 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
+    w3 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
+    w2 = torch.randn(num_experts, DIM, HIDDEN, generator=gen) / HIDDEN**0.5
+    allowed = torch.arange(num_experts) if allowed is None else torch.tensor(allowed)
+    xs, scores, indices, grads = [], [], [], []
+    for t in num_tokens:
+        xs.append(torch.randn(t, DIM, generator=gen))
+        grads.append(torch.randn(t, DIM, generator=gen))
+        scores.append(torch.rand(t, top_k, generator=gen))
+        picked = allowed[torch.rand(t, len(allowed), generator=gen).argsort(1)][:, :top_k]
+        if force is not None:
+            lacks = (picked != force).all(1)
+            picked[lacks, -1] = force
+        indices.append(picked.contiguous())
+    local = lambda w: [w[r * el:(r + 1) * el].contiguous() for r in range(world)]  # noqa: E731
+    return dict(xs=xs, grads=grads, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3,
+                w1s=local(w1), w2s=local(w2), w3s=local(w3), el=el)
+
+
+def run_both(w, *, score_before, config=None, workspace=None):
+    config = config or interpreter_config()
+    outs = {}
+    for schedule in ("sequential", "fused"):
+        if workspace is not None:
+            workspace.poison()
+        outs[schedule] = simulated_moe_backward(
+            w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+            score_before_experts=score_before, config=config, workspace=workspace, poison_outputs=True,
+        )
+    return outs["sequential"], outs["fused"]
+
+
+def float64_grads(w, score_before):
+    """Autograd of the float64 reference; weight grads summed over ranks, split per owner."""
+    leaves = [t.double().requires_grad_() for t in (w["w1"], w["w2"], w["w3"])]
+    per_rank = []
+    for r in range(len(w["xs"])):
+        x = w["xs"][r].double().requires_grad_()
+        s = w["scores"][r].double().requires_grad_()
+        out = float64_moe_reference(x, s, w["indices"][r], *leaves, score_before_experts=score_before)
+        if not out.requires_grad:  # a rank without tokens
+            per_rank.append([torch.zeros_like(x), torch.zeros_like(s)])
+            continue
+        dx, ds = torch.autograd.grad(out, (x, s), w["grads"][r].double(), retain_graph=True, allow_unused=True)
+        per_rank.append([dx if dx is not None else torch.zeros_like(x), ds if ds is not None else torch.zeros_like(s)])
+        (out * w["grads"][r].double()).sum().backward()
+    el = w["el"]
+    for r, item in enumerate(per_rank):
+        item += [leaf.grad[r * el:(r + 1) * el] for leaf in leaves]
+    return per_rank
+
+
+def layout_grads(w, score_before):
+    """Autograd of the layout reference (torch, same placement and order, fp32)."""
+    leaf = lambda ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    xs, scores, w1s, w2s, w3s = leaf(w["xs"]), leaf(w["scores"]), leaf(w["w1s"]), leaf(w["w2s"]), leaf(w["w3s"])
+    outs = layout_reference_forward(xs, scores, w["indices"], w1s, w2s, w3s, score_before_experts=score_before)
+    torch.autograd.backward(outs, w["grads"])
+    zero = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
+    return [[zero(xs[r]), zero(scores[r]), zero(w1s[r]), zero(w2s[r]), zero(w3s[r])] for r in range(len(xs))]
+
+
+def assert_correct(w, sequential, fused, *, score_before):
+    exact = float64_grads(w, score_before)
+    layout = layout_grads(w, score_before)
+    for r in range(len(w["xs"])):
+        for name, seq, fus, ex, lay in zip(NAMES, sequential[r], fused[r], exact[r], layout[r]):
+            where = f"rank {r} {name}"
+            assert torch.equal(seq, fus), f"{where}: fused differs from sequential"
+            assert not torch.isnan(fus).any(), f"{where}: NaN (a row was read before it was written)"
+            torch.testing.assert_close(fus.double(), ex, rtol=1e-4, atol=1e-4, msg=lambda m: f"{where} vs float64: {m}")
+            torch.testing.assert_close(fus, lay, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where} vs layout ref: {m}")
+
+
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+@pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
+    (2, 8, 3, [13, 9]),
+    (4, 8, 3, [7, 11, 5, 9]),
+])
+def test_backward_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens,
+                                                                   score_before):
+    w = make_world(world, num_experts, top_k, num_tokens, seed=1 + world)
+    ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN,
+                                     num_experts=num_experts, top_k=top_k, dtype=torch.float32,
+                                     config=interpreter_config())
+    seq, fus = run_both(w, score_before=score_before, workspace=ws)
+    assert_correct(w, seq, fus, score_before=score_before)
+    again = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                   schedule="fused", score_before_experts=score_before, workspace=ws,
+                                   config=interpreter_config())
+    for r in range(world):
+        for name, a, b in zip(NAMES, fus[r], again[r]):
+            assert torch.equal(a, b), f"rank {r} {name}: differs run to run"
+
+
+@pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing",
+                                  "rank_with_no_tokens", "one_local_expert"])
+def test_backward_bitwise_and_correct_under_edge_routing(case):
+    if case == "skewed_one_expert":  # every token picks expert 5: many tiles of one expert
+        w = make_world(2, 8, 3, [21, 17], seed=11, force=5)
+    elif case == "empty_experts":  # odd experts never picked: zero weight grads
+        w = make_world(2, 8, 2, [9, 6], seed=12, allowed=[0, 2, 4, 6])
+    elif case == "rank_receives_nothing":
+        w = make_world(2, 8, 3, [10, 7], seed=13, allowed=[0, 1, 2, 3])
+    elif case == "rank_with_no_tokens":
+        w = make_world(2, 8, 3, [0, 9], seed=14)
+    else:  # El = 1
+        w = make_world(2, 2, 2, [9, 5], seed=15)
+    score_before = case in ("empty_experts", "one_local_expert")
+    ws = BackwardWorkspace.simulated(2, num_tokens=max(max(len(x) for x in w["xs"]), 1), dim=DIM, hidden=HIDDEN,
+                                     num_experts=w["el"] * 2, top_k=w["indices"][0].shape[1], dtype=torch.float32,
+                                     config=interpreter_config())
+    seq, fus = run_both(w, score_before=score_before, workspace=ws)
+    assert_correct(w, seq, fus, score_before=score_before)
+
+
+def test_backward_silent_rank_times_out_with_a_clear_error():
+    w = make_world(2, 8, 3, [6, 6], seed=31)
+    config = interpreter_config(debug_silent_rank=1, interpreter_max_spins=3)
+    with pytest.raises(RuntimeError, match=r"backward failed on EP rank 0 .*\[x \| dOut\] rows of tile \d+"):
+        simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                               schedule="fused", score_before_experts=False, config=config)
+
+
+def test_backward_per_rank_launches_match_the_simulated_world():
+    """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
+    by rank in producer-first order on shared simulated arenas, gives the same
+    bits as the whole-world launch."""
+    from types import SimpleNamespace
+
+    from titan_uniep import fused_backward as fb
+
+    world, cfg = 2, interpreter_config()
+    w = make_world(world, 8, 3, [11, 6], seed=51)
+    bws = BackwardWorkspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                                      dtype=torch.float32, config=cfg)
+    whole = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                   schedule="sequential", score_before_experts=False, workspace=bws)
+    ws = bws.inner
+    views = []
+    for r in range(world):
+        inner = SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, offsets=ws.offsets,
+                                arena_ptrs=ws.arena_ptrs, anchors=ws.anchors, anchor_rank=ws.anchor_rank,
+                                device=ws.device, h=ws.h[r:r + 1], control=ws.control[r:r + 1],
+                                counts_all=ws.counts_all[r:r + 1], rank_base=r, num_local_ranks=1)
+        views.append(SimpleNamespace(inner=inner, dim=DIM, dh1=bws.dh1[r:r + 1], dh3=bws.dh3[r:r + 1]))
+    counts = [fb._count_copies(w["indices"][r], 8).unsqueeze(0) for r in range(world)]
+    for step in ("publish", "collect"):
+        for r in range(world):
+            fb._exchange_counts(views[r].inner, counts[r], cfg, publish=step == "publish",
+                                collect=step == "collect")
+    arrays = [fb._prepare_rank_arrays(views[r].inner, w["grads"][r], w["xs"][r], w["scores"][r], w["indices"][r],
+                                      w["w1s"][r], w["w2s"][r], w["w3s"][r], cfg) for r in range(world)]
+    outs = [None] * world
+    for phase in ("dispatch", "dh", "da"):
+        for r in range(world):
+            fb._launch(views[r], arrays[r], cfg, False, [phase])
+    for r in range(world):  # the outputs are allocated per launch: weight grads and reduce in one launch
+        outs[r] = fb._launch(views[r], arrays[r], cfg, False, ["wgrad", "reduce"])
+    bws.check_errors()
+    for r in range(world):
+        for name, a, b in zip(NAMES, (o[0] for o in outs[r]), whole[r]):
+            assert torch.equal(a, b), f"rank {r} {name}"
+
+
+def test_backward_workspace_grows_when_asked_and_keeps_working():
+    ws = BackwardWorkspace.simulated(2, num_tokens=4, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2,
+                                     dtype=torch.float32, config=interpreter_config())
+    w = make_world(2, 8, 2, [9, 6], seed=61)
+    with pytest.raises(RuntimeError, match="ensure_capacity"):
+        run_both(w, score_before=False, workspace=ws)
+    assert ws.ensure_capacity(9) and not ws.ensure_capacity(5)
+    seq, fus = run_both(w, score_before=False, workspace=ws)
+    assert_correct(w, seq, fus, score_before=False)

@@ -1,0 +1,231 @@
+"""Forward + backward benchmark of one MoE layer's routed-expert path on an EP group.
+
+    torchrun --nproc_per_node 2 -m titan_uniep.bench_backward --shapes qwen3,deepseek
+
+For each shape (``T`` tokens per rank, ``D``, ``H``, ``E``, ``K``), same inputs
+and routing (random router-like scores, balanced):
+
+- ``titan_ep``: TorchTitan 0.2.2 standard EP (``ExpertParallel`` on
+  ``GroupedExperts``, the MoE.forward lines after the router) under autograd:
+  forward, then ``backward`` of the output gradient (grads of x, scores, w1-3);
+- ``uniep_sequential`` / ``uniep_fused``: ``fused.moe_forward`` then
+  ``fused_backward.moe_backward`` (each schedule for both directions);
+  ``*_bwd`` the backward alone;
+- ``gemm_only``: ``torch._grouped_mm`` fc1/SwiGLU/fc2 on the rows this rank
+  receives (groups padded to 8 rows) under autograd, forward + backward.
+
+Times: CUDA events, warm-up first, median over ``--reps``, slowest rank (ms).
+One ``JSON`` line per shape, then a table. A failing path prints its error
+and is reported as ``null`` (the others still run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .fused import moe_forward
+from .fused_backward import BackwardWorkspace, moe_backward
+from .layout import compute_layout, count_per_expert
+from .symm import Workspace
+
+SHAPES = {  # T per rank, D, H, E, K
+    "qwen3": (8192, 2048, 768, 128, 8),
+    "deepseek": (4096, 7168, 2048, 256, 8),
+    "mixtral": (8192, 4096, 14336, 8, 2),
+}
+
+
+def time_ms(fn, warmup: int, reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings after ``warmup`` calls; max over ranks."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms.item())
+
+
+def titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before: bool):
+    """TorchTitan 0.2.2 MoE.forward after the router, with ExpertParallel, under autograd."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+    from torchtitan.models.moe.moe import GroupedExperts, TokenReorderer
+
+    num_experts, hidden, dim = w1.shape
+    top_k = indices.shape[1]
+    with torch.device("meta"):
+        experts = GroupedExperts(dim, hidden, num_experts, use_grouped_mm=True)
+    experts.w1 = torch.nn.Parameter(w1.clone())
+    experts.w2 = torch.nn.Parameter(w2.clone())
+    experts.w3 = torch.nn.Parameter(w3.clone())
+    parallelize_module(experts, mesh, ExpertParallel())
+    reorderer = TokenReorderer(num_experts=num_experts, top_k=top_k)
+    x = x.detach().requires_grad_()
+    scores = scores.detach().requires_grad_()
+
+    def step():
+        top_scores_sorted, token_indices_sorted, num_tokens_per_expert = reorderer(scores, indices)
+        routed_input = x[token_indices_sorted // top_k]
+        if score_before:
+            routed_input = (routed_input.to(torch.float32) * top_scores_sorted.reshape(-1, 1)).to(x.dtype)
+        routed_output = experts(routed_input, num_tokens_per_expert)
+        unsorted = torch.zeros((x.shape[0] * top_k, dim), dtype=routed_output.dtype, device=x.device)
+        unsorted[token_indices_sorted] = routed_output
+        unsorted = unsorted.reshape(-1, top_k, dim)
+        if not score_before:
+            out = torch.bmm(scores.reshape(-1, 1, top_k), unsorted.float()).to(x.dtype).squeeze(1)
+        else:
+            out = unsorted.sum(dim=1)
+        out.backward(grad)
+        experts.w1.grad = experts.w2.grad = experts.w3.grad = x.grad = scores.grad = None
+
+    return step
+
+
+def gemm_only_fwd_bwd(tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, dev):
+    sizes = (tokens_per_local_expert + 7) // 8 * 8
+    offsets = torch.cumsum(sizes, 0).to(torch.int32)
+    rows = torch.randn(int(sizes.sum()), dim, generator=gen, device=dev).to(dtype).requires_grad_()
+    weights = [w.detach().clone().requires_grad_() for w in (w1l, w2l, w3l)]
+    grad = torch.randn(rows.shape, generator=gen, device=dev).to(dtype)
+
+    def step():
+        w1t, w2t, w3t = (w.transpose(-2, -1) for w in weights)
+        h = F.silu(torch._grouped_mm(rows, w1t, offs=offsets)) * torch._grouped_mm(rows, w3t, offs=offsets)
+        torch._grouped_mm(h, w2t, offs=offsets).backward(grad)
+        rows.grad = None
+        for w in weights:
+            w.grad = None
+
+    return step
+
+
+def bench_shape(name, shape, args, group, mesh, dev):
+    num_tokens, dim, hidden, num_experts, top_k = shape
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    el = num_experts // world
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    wgen = torch.Generator(device=dev).manual_seed(99)
+    x = torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype)
+    grad = torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype)
+    probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=gen, device=dev), 1)
+    scores, indices = (t.contiguous() for t in probs.topk(top_k, dim=1))
+    w1 = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
+    w3 = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, dim, hidden, generator=wgen, device=dev) * hidden**-0.5).to(dtype)
+    mine = slice(rank * el, (rank + 1) * el)
+    w1l, w2l, w3l = w1[mine].contiguous(), w2[mine].contiguous(), w3[mine].contiguous()
+    score_before = args.score_before
+    result = {"shape": name, "T": num_tokens, "D": dim, "H": hidden, "E": num_experts, "K": top_k, "world": world,
+              "score_before": score_before}
+
+    def measure(key, make):
+        try:
+            result[key] = round(time_ms(make(), args.warmup, args.reps), 3)
+        except Exception:  # noqa: BLE001 - one failing path must not hide the others
+            if rank == 0:
+                print(f"{name} {key} failed:\n{traceback.format_exc()}", flush=True)
+            result[key] = None
+            torch.cuda.synchronize()
+            dist.barrier()
+
+    measure("titan_ep", lambda: titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before))
+    fwd_ws = bwd_ws = None
+    try:
+        fwd_ws = Workspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts,
+                                     top_k=top_k, dtype=dtype, device=dev)
+    except Exception:  # noqa: BLE001
+        if rank == 0:
+            print(f"forward workspace failed:\n{traceback.format_exc()}", flush=True)
+    bwd_ws = BackwardWorkspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden,
+                                         num_experts=num_experts, top_k=top_k, dtype=dtype, device=dev)
+    for schedule in ("sequential", "fused"):
+        def bwd(schedule=schedule):
+            return lambda: moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws,
+                                        schedule=schedule, score_before_experts=score_before)
+
+        def fwd_bwd(schedule=schedule):
+            def step():
+                moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=fwd_ws, schedule=schedule,
+                            score_before_experts=score_before)
+                moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
+                             score_before_experts=score_before)
+            return step
+
+        measure(f"uniep_{schedule}_bwd", bwd)
+        if fwd_ws is not None:
+            measure(f"uniep_{schedule}", fwd_bwd)
+    counts_all = torch.empty(world, num_experts, dtype=torch.int64, device=dev)
+    dist.all_gather_into_tensor(counts_all, count_per_expert(indices, num_experts), group=group)
+    layout = compute_layout(indices, counts_all, rank)
+    measure("gemm_only", lambda: gemm_only_fwd_bwd(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype,
+                                                   gen, dev))
+    if args.check:
+        outs = [moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=s,
+                             score_before_experts=score_before) for s in ("sequential", "fused")]
+        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        flag = torch.tensor([int(same)], device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        result["bitwise_fused_eq_sequential"] = bool(flag.item())
+    for key in ("uniep_sequential", "uniep_fused", "gemm_only"):
+        if result.get(key) and result.get("titan_ep"):
+            result[f"speedup_{key}_vs_titan"] = round(result["titan_ep"] / result[key], 3)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen3,deepseek")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--score-before", action="store_true")
+    parser.add_argument("--check", action="store_true", help="fused == sequential bitwise (all grads)")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dev = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=dev)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
+    group = dist.group.WORLD
+    results = []
+    for name in args.shapes.split(","):
+        res = bench_shape(name, SHAPES[name], args, group, mesh, dev)
+        results.append(res)
+        torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            print("JSON " + json.dumps(res), flush=True)
+            if args.json_out:
+                with open(args.json_out, "a") as f:
+                    f.write(json.dumps(res) + "\n")
+    if dist.get_rank() == 0:
+        keys = ("titan_ep", "uniep_sequential", "uniep_fused", "uniep_sequential_bwd", "uniep_fused_bwd", "gemm_only")
+        print("| shape | " + " | ".join(keys) + " | fused vs TT |")
+        print("|---" * (len(keys) + 2) + "|")
+        for res in results:
+            cells = [f"{res.get(k):.2f}" if res.get(k) else "-" for k in keys]
+            ratio = res.get("speedup_uniep_fused_vs_titan")
+            print(f"| {res['shape']} | " + " | ".join(cells) + f" | {ratio if ratio else '-'} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

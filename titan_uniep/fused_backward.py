@@ -1,0 +1,451 @@
+"""Host API of UniEP's backward megakernels (see ``kernels/backward.py``).
+
+Backward of one MoE layer's routed-expert path, given the forward's inputs and
+the output gradient, on the same deterministic layout as the forward:
+
+    counts exchange -> layout.compute_layout / compute_tiles (device ops)
+    -> megakernel BA: dispatch [x | dOut] + recompute h1, h3 + dH = dY @ w2
+       + SwiGLU backward (h, dh1, dh3 per slot)
+    -> megakernel BB: dA = dh1 @ w1 + dh3 @ w3 sent back and combined over k
+       (dx, router-score grads), weight grads per expert over all its rows
+
+Nothing is kept between forward and backward beyond the op's inputs (x,
+scores, indices, weights): h1, h3, h and y are recomputed from x, which the
+backward dispatches again next to dOut (one ``2 * D`` row per token and
+destination rank). Cost: fc1 (two GEMMs) and, with scores after the experts,
+fc2 (one GEMM for ``<dOut, y>``) again; memory: the backward workspace.
+
+``schedule="sequential"`` launches every task kind separately (dispatch, dH
+tiles, dA tiles, weight grads, reduce); ``"fused"`` runs dispatch and dH tiles
+in one persistent grid (tiles wait, bounded, on arrival counters) and dA
+tiles, weight grads and reduce in another. Same layout, same compiled tiles:
+every gradient is bitwise equal between the schedules and run to run.
+
+Shapes (``T`` tokens of this rank, ``D`` dim, ``H`` expert hidden, ``K``
+experts per token, ``El`` local experts), all as the forward
+(``titan_uniep.fused``):
+
+- ``grad_out``, ``x``: ``(T, D)`` in the workspace dtype; ``top_scores``
+  ``(T, K)`` fp32; ``indices`` ``(T, K)`` int, distinct per token;
+- ``w1``, ``w3`` ``(El, H, D)``, ``w2`` ``(El, D, H)`` in the workspace dtype;
+- returns ``dx (T, D)`` (x.dtype), ``dscores (T, K)`` fp32, ``dw1``, ``dw2``,
+  ``dw3`` (the weights' shapes and dtype; accumulated in fp32, experts with no
+  rows get zeros).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Sequence
+
+import torch
+import triton
+
+from .kernels.backward import (
+    CTL_BWD_ERROR,
+    dispatch_grad_hidden_kernel,
+    exchange_backward_counts_kernel,
+    grad_input_combine_kernel,
+)
+from .kernels.sync import BAD_SLOT, ERROR_FIELDS, WAIT_COUNTS_FLAG, WAIT_TILE_ROWS, WAIT_TOKEN_ROWS
+from .kernels.tuning import KernelConfig
+from .layout import compute_layout, compute_tiles
+from .symm import Workspace
+
+__all__ = ["BackwardWorkspace", "moe_backward", "simulated_moe_backward", "SCHEDULES"]
+
+SCHEDULES = ("sequential", "fused")
+Schedule = Literal["sequential", "fused"]
+
+# Launches of each schedule; "+" joins task kinds run by one persistent grid.
+_PHASES = {
+    "fused": ("dispatch+dh", "da+wgrad+reduce"),
+    "sequential": ("dispatch", "dh", "da", "wgrad", "reduce"),
+}
+
+_WHAT = {
+    WAIT_COUNTS_FLAG: "the backward counts exchange, waiting for rank {index}'s counts (count_flags[{index}])",
+    WAIT_TILE_ROWS: "backward megakernel BA (dH), waiting for the dispatched [x | dOut] rows of tile {index}",
+    WAIT_TOKEN_ROWS: "backward megakernel BB (combine), waiting for token {index}'s dA rows (token_arrivals)",
+    BAD_SLOT: "backward dispatch: token {index} has a copy whose slot is outside the receive buffer",
+}
+
+
+class BackwardWorkspace:
+    """Buffers of the backward of one EP group, by composition: a ``symm.Workspace``
+    built for rows of ``2 * D`` (its ``tokens`` hold ``[x | dOut]`` rows, its
+    ``returned`` rows hold dA and the fp32 score-gradient partials), plus
+    local ``dh1``/``dh3`` ``(L, S, H)`` next to its ``h``.
+
+    Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
+    element): symmetric ``2 * W * T * D * b`` (token rows) + ``2 * T * K * D * b``
+    (returned) + small index/flag buffers; local ``3 * S * H * b``. Build it
+    before CUDA-graph capture; reuse it for every layer and step.
+    """
+
+    def __init__(self, inner: Workspace, dim: int):
+        self.inner = inner
+        self.dim = dim
+        self.dh1 = torch.empty_like(inner.h)
+        self.dh3 = torch.empty_like(inner.h)
+
+    @classmethod
+    def for_group(cls, group, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, device=None, config: KernelConfig | None = None) -> "BackwardWorkspace":
+        """Real EP: collective over ``group`` (same arguments on every rank)."""
+        config = _direct(config)
+        inner = Workspace.for_group(group, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                    num_experts=num_experts, top_k=top_k, dtype=dtype, device=device, config=config)
+        return cls(inner, dim)
+
+    @classmethod
+    def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, device="cpu", config: KernelConfig | None = None) -> "BackwardWorkspace":
+        """Every rank's buffers in this process (one launch runs the world)."""
+        inner = Workspace.simulated(world_size, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                    num_experts=num_experts, top_k=top_k, dtype=dtype, device=device,
+                                    config=_direct(config))
+        return cls(inner, dim)
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.inner.is_simulated
+
+    def memory_bytes(self) -> dict[str, int]:
+        sizes = self.inner.memory_bytes()
+        sizes["dh1"] = sizes["dh3"] = sizes["h"]
+        sizes["total"] += 2 * sizes["h"]
+        return sizes
+
+    def ensure_capacity(self, num_tokens: int) -> bool:
+        """Grow for ``num_tokens`` tokens per rank (collective in real EP; a
+        host sync: call it between steps, see ``Workspace.ensure_capacity``)."""
+        grew = self.inner.ensure_capacity(num_tokens)
+        if grew:
+            self.dh1 = torch.empty_like(self.inner.h)
+            self.dh3 = torch.empty_like(self.inner.h)
+        return grew
+
+    def poison(self) -> None:
+        """NaN into every data buffer (tests)."""
+        self.inner.poison()
+        s = self.inner.shape
+        for local in range(self.inner.num_local_ranks):
+            self.inner.arena_view(local, "slot_copy", torch.int32, (s.slot_capacity,)).fill_(-1)
+        self.dh1.fill_(float("nan"))
+        self.dh3.fill_(float("nan"))
+
+    def check_errors(self) -> None:
+        """Raise RuntimeError if a backward kernel of this rank timed out (syncs)."""
+        ws = self.inner
+        records = ws.control[:, CTL_BWD_ERROR:CTL_BWD_ERROR + len(ERROR_FIELDS)].cpu()
+        for local in range(records.shape[0]):
+            rec = dict(zip(ERROR_FIELDS, records[local].tolist()))
+            if rec["flag"]:
+                what = _WHAT.get(rec["what"], "an unknown wait ({what})").format(**rec)
+                raise RuntimeError(
+                    f"UniEP backward failed on EP rank {rec['rank']} (call epoch {rec['epoch']}, task {rec['task']}): "
+                    f"{what}; expected {rec['expected']}, saw {rec['seen']}. A peer rank did not reach this MoE "
+                    f"layer's backward or stopped sending. This backward workspace is unusable now; rebuild it "
+                    f"(or raise KernelConfig.timeout_s if a peer is merely slow)."
+                )
+
+
+def _direct(config: KernelConfig | None) -> KernelConfig | None:
+    # The backward never stages its combine (no y buffer in its workspace).
+    return None if config is None else config.replace(combine="direct")
+
+
+def moe_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    workspace: BackwardWorkspace,
+    schedule: Schedule = "fused",
+    score_before_experts: bool,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``fused.moe_forward`` with real EP (one process per GPU).
+
+    Every rank of the group calls it in the same layer order (also with
+    T = 0). Returns ``(dx, dscores, dw1, dw2, dw3)``, see the module docstring.
+    Checks the error record at the end (one host sync).
+    """
+    if workspace.is_simulated:
+        raise ValueError("moe_backward needs a BackwardWorkspace.for_group; use simulated_moe_backward otherwise")
+    ws = workspace.inner
+    cfg = _config(ws, config)
+    _check_schedule(schedule)
+    _check_inputs(workspace, grad_out, x, top_scores, indices, w1, w2, w3)
+    _exchange_counts(ws, _count_copies(indices, ws.shape.num_experts).unsqueeze(0), cfg)
+    arrays = _prepare_rank_arrays(ws, grad_out, x, top_scores, indices, w1, w2, w3, cfg)
+    grads = _launch(workspace, arrays, cfg, score_before_experts, _PHASES[schedule])
+    if not (ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        workspace.check_errors()
+    return tuple(g[0] for g in grads)
+
+
+def simulated_moe_backward(
+    grad_outs: Sequence[torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    scores: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor],
+    w1s: Sequence[torch.Tensor],
+    w2s: Sequence[torch.Tensor],
+    w3s: Sequence[torch.Tensor],
+    *,
+    schedule: Schedule = "fused",
+    score_before_experts: bool,
+    config: KernelConfig | None = None,
+    workspace: BackwardWorkspace | None = None,
+    poison_outputs: bool = False,
+) -> list[tuple[torch.Tensor, ...]]:
+    """The backward for a simulated world of ``W = len(xs)`` ranks in this
+    process (CPU interpreter or one GPU); arguments per rank as
+    ``fused.simulated_moe_forward`` plus ``grad_outs[r]`` ``(T_r, D)``.
+    Returns one ``(dx, dscores, dw1, dw2, dw3)`` per rank. ``poison_outputs``
+    (tests): fill the outputs with NaN before the launches, so an element no
+    task writes shows up."""
+    world = len(xs)
+    if not (len(grad_outs) == len(scores) == len(indices) == len(w1s) == len(w2s) == len(w3s) == world):
+        raise ValueError("grad_outs, xs, scores, indices, w1s, w2s, w3s must have one entry per simulated rank")
+    _check_schedule(schedule)
+    num_tokens = [x.shape[0] for x in xs]
+    if workspace is None:
+        el, hidden, dim = w1s[0].shape
+        workspace = BackwardWorkspace.simulated(
+            world, num_tokens=max(max(num_tokens), 1), dim=dim, hidden=hidden, num_experts=el * world,
+            top_k=indices[0].shape[1], dtype=xs[0].dtype, device=xs[0].device, config=config,
+        )
+    elif not workspace.is_simulated or workspace.world_size != world:
+        raise ValueError(f"workspace must be a BackwardWorkspace.simulated of {world} ranks")
+    ws = workspace.inner
+    cfg = _config(ws, config)
+    shape = ws.shape
+    for r in range(world):
+        _check_inputs(workspace, grad_outs[r], xs[r], scores[r], indices[r], w1s[r], w2s[r], w3s[r])
+    device, cap = xs[0].device, shape.token_capacity
+    counts = torch.stack([_count_copies(idx, shape.num_experts) for idx in indices])
+    _exchange_counts(ws, counts, cfg)
+
+    def padded(tensors, dtype):
+        out = torch.zeros((world, cap, *tensors[0].shape[1:]), dtype=dtype, device=device)
+        for r, t in enumerate(tensors):
+            out[r, : t.shape[0]] = t
+        return out
+
+    layouts = [compute_layout(indices[r], ws.counts_all[r], r) for r in range(world)]
+    tiles = [compute_tiles(layouts[r], indices[r], cfg.block_m, shape.tile_capacity) for r in range(world)]
+    arrays = dict(
+        x=padded(xs, shape.dtype), g=padded(grad_outs, shape.dtype), scores=padded(scores, torch.float32),
+        dest_rank=padded([lay.dest_rank for lay in layouts], torch.int32),
+        dest_slot=padded([lay.dest_slot for lay in layouts], torch.int32),
+        dest_tile=padded([t.dest_tile for t in tiles], torch.int32),
+        num_tokens=torch.tensor(num_tokens, dtype=torch.int32, device=device),
+        tile_expert=torch.stack([t.tile_expert for t in tiles]),
+        tile_start=torch.stack([t.tile_start for t in tiles]),
+        tile_end=torch.stack([t.tile_end for t in tiles]),
+        num_tiles=torch.cat([t.num_tiles for t in tiles]),
+        expert_offsets=torch.stack([lay.expert_offsets.to(torch.int32) for lay in layouts]),
+        w1=torch.stack([w.contiguous() for w in w1s]),
+        w2=torch.stack([w.contiguous() for w in w2s]),
+        w3=torch.stack([w.contiguous() for w in w3s]),
+    )
+    dx, ds, dw1, dw2, dw3 = _launch(workspace, arrays, cfg, score_before_experts, _PHASES[schedule],
+                                    poison=poison_outputs)
+    workspace.check_errors()
+    return [(dx[r, :num_tokens[r]], ds[r, :num_tokens[r]], dw1[r], dw2[r], dw3[r]) for r in range(world)]
+
+
+# ---- internals ------------------------------------------------------------
+
+
+def _prepare_rank_arrays(ws: Workspace, grad_out, x, top_scores, indices, w1, w2, w3, cfg: KernelConfig) -> dict:
+    """Layout (from the exchanged ``ws.counts_all[0]``) and arrays of one real rank (L = 1)."""
+    layout = compute_layout(indices, ws.counts_all[0], ws.rank_base)
+    tiles = compute_tiles(layout, indices, cfg.block_m, ws.shape.tile_capacity)
+    u = lambda t: t.contiguous().unsqueeze(0)  # noqa: E731
+    return dict(
+        x=u(x), g=u(grad_out), scores=u(top_scores.to(torch.float32)),
+        dest_rank=u(layout.dest_rank.to(torch.int32)), dest_slot=u(layout.dest_slot.to(torch.int32)),
+        dest_tile=u(tiles.dest_tile), num_tokens=torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device),
+        tile_expert=u(tiles.tile_expert), tile_start=u(tiles.tile_start), tile_end=u(tiles.tile_end),
+        num_tiles=tiles.num_tiles, expert_offsets=u(layout.expert_offsets.to(torch.int32)),
+        w1=u(w1), w2=u(w2), w3=u(w3),
+    )
+
+
+def backward_block_sizes(cfg: KernelConfig) -> dict[str, int]:
+    """Tile widths of the backward GEMMs, derived from the forward's knobs: the
+    dH tile keeps three accumulators (h1, h3, dH) and reads five operands, the
+    dA tile two accumulators (dA, y) and six operands, the weight-gradient
+    tile two accumulators; columns shrink to stay within the registers and
+    shared memory of the forward tiles (defaults 32, 64, 64; ptxas for sm_90,
+    BM = 128, 8 warps: the dH tile spills ~0.1 KB, the dA tile with scores
+    after the experts ~1 KB; wider tiles spill more)."""
+    return dict(
+        dh=max(16, cfg.block_n_fc1 // 4),
+        da=max(16, cfg.block_n_fc2 // 4),
+        wgrad=max(16, cfg.block_n_fc1 // 2),
+    )
+
+
+def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bool, phases: Sequence[str],
+            poison: bool = False):
+    ws = bws.inner
+    s, off = ws.shape, ws.element_offsets
+    dim, hidden, top_k = bws.dim, s.hidden, s.top_k
+    act, i32, f32 = ws.anchors[s.dtype], ws.anchors[torch.int32], ws.anchors[torch.float32]
+    grid = (_num_programs(ws, cfg),)
+    precision = "ieee" if s.dtype == torch.float32 else "tf32"
+    use_timer, timeout = _use_timer(ws), _timeout(ws, cfg)
+    blocks = backward_block_sizes(cfg)
+    elem = s.elem_size
+    parts = triton.cdiv(dim, blocks["da"])
+    if parts > dim * elem // 4:
+        raise ValueError(f"KernelConfig.block_n_fc2 ({cfg.block_n_fc2}) too small for dim {dim} in the backward")
+    dx = torch.empty_like(a["x"])
+    ds = torch.empty(a["scores"].shape, dtype=torch.float32, device=dx.device)
+    dw1, dw2, dw3 = torch.empty_like(a["w1"]), torch.empty_like(a["w2"]), torch.empty_like(a["w3"])
+    if poison:
+        for out in (dx, ds, dw1, dw2, dw3):
+            out.fill_(float("nan"))
+    # Two stages: the dH tile streams five operands per step (a, dY, w1, w3, w2).
+    opts = dict(num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2))
+    h = ws.h
+
+    def kernel_ba(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
+        dispatch_grad_hidden_kernel[grid](
+            a["x"], a["g"], a["x"].stride(0), a["scores"], a["dest_rank"], a["dest_slot"], a["dest_tile"],
+            a["dest_rank"].stride(0), a["num_tokens"], a["tile_expert"], a["tile_start"], a["tile_end"],
+            a["tile_expert"].stride(0), a["num_tiles"], a["w1"], a["w2"], a["w3"], a["w1"].stride(0),
+            h, bws.dh1, bws.dh3, h.stride(0), ws.control, ws.arena_ptrs, act, i32, f32, ws.anchor_rank,
+            off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
+            ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
+            do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout,
+            NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
+            SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["dh"], BK=cfg.block_k, GROUP_M=cfg.group_m,
+            BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(top_k),
+            PRECISION=precision, USE_TIMER=use_timer, **opts,
+        )
+
+    def kernel_bb(do_tiles: int, do_wgrad: int, do_reduce: int) -> None:
+        grad_input_combine_kernel[grid](
+            h, bws.dh1, bws.dh3, h.stride(0), a["w1"], a["w2"], a["w3"], dw1, dw2, dw3, a["w1"].stride(0),
+            a["tile_expert"], a["tile_start"], a["tile_end"], a["tile_expert"].stride(0), a["num_tiles"],
+            a["expert_offsets"], a["expert_offsets"].stride(0), a["scores"], a["dest_rank"].stride(0),
+            a["num_tokens"], a["x"], a["x"].stride(0), dx, ds, ws.control, ws.arena_ptrs, act, i32, f32,
+            ws.anchor_rank, off["tokens"], off["slot_copy"], off["slot_score"], off["returned"],
+            ws.offsets["returned"] // 4, off["token_arrivals"], ws.rank_base, s.token_capacity, s.slot_capacity,
+            do_tiles, do_wgrad, do_reduce, timeout,
+            NUM_LOCAL=ws.num_local_ranks, NUM_EXPERTS_LOCAL=s.num_local_experts, DIM=dim, HIDDEN=hidden,
+            TOP_K=top_k, SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["da"], BK=cfg.block_k,
+            WB=blocks["wgrad"], GROUP_M=cfg.group_m, BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
+            KP=triton.next_power_of_2(top_k), RET_ROW_F32=2 * dim * elem // 4, PARTS_AT_F32=dim * elem // 4,
+            PRECISION=precision, USE_TIMER=use_timer, **opts,
+        )
+
+    for phase in phases:
+        if phase == "dispatch+dh":
+            kernel_ba(1, 1, cfg.num_comm_sms)
+        elif phase == "dispatch":
+            kernel_ba(1, 0, grid[0])
+        elif phase == "dh":
+            kernel_ba(0, 1, 0)
+        elif phase == "da+wgrad+reduce":
+            kernel_bb(1, 1, 1)
+        elif phase == "da":
+            kernel_bb(1, 0, 0)
+        elif phase == "wgrad":
+            kernel_bb(0, 1, 0)
+        elif phase == "reduce":
+            kernel_bb(0, 0, 1)
+        else:
+            raise ValueError(f"unknown phase {phase!r}")
+    return dx, ds, dw1, dw2, dw3
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def _config(ws: Workspace, config: KernelConfig | None) -> KernelConfig:
+    cfg = (config or ws.config).replace(combine="direct")
+    if cfg.block_m != ws.shape.block_m:
+        raise ValueError(f"config.block_m ({cfg.block_m}) must equal the workspace's ({ws.shape.block_m})")
+    return cfg
+
+
+def _check_inputs(bws: BackwardWorkspace, grad_out, x, scores, indices, w1, w2, w3) -> None:
+    s, dim = bws.inner.shape, bws.dim
+    if x.dim() != 2 or x.shape[1] != dim or tuple(grad_out.shape) != tuple(x.shape):
+        raise ValueError(f"x and grad_out must be (T, {dim}), got {tuple(x.shape)} and {tuple(grad_out.shape)}")
+    if x.dtype != s.dtype or grad_out.dtype != s.dtype:
+        raise ValueError(f"x and grad_out must be {s.dtype}, got {x.dtype} and {grad_out.dtype}")
+    if s.elem_size == 2 and dim % 2:
+        raise ValueError(f"the backward needs an even dim with 2-byte activations, got {dim}")
+    if x.shape[0] > s.token_capacity:
+        raise RuntimeError(
+            f"{x.shape[0]} tokens exceed the backward workspace's capacity of {s.token_capacity} per rank; "
+            "call BackwardWorkspace.ensure_capacity(num_tokens) on every rank between steps"
+        )
+    if tuple(indices.shape) != (x.shape[0], s.top_k) or tuple(scores.shape) != (x.shape[0], s.top_k):
+        raise ValueError(f"top_scores and indices must be ({x.shape[0]}, {s.top_k}), got "
+                         f"{tuple(scores.shape)} and {tuple(indices.shape)}")
+    el, h = s.num_local_experts, s.hidden
+    for name, w, want in (("w1", w1, (el, h, dim)), ("w2", w2, (el, dim, h)), ("w3", w3, (el, h, dim))):
+        if tuple(w.shape) != want or w.dtype != s.dtype:
+            raise ValueError(f"{name} must be {want} {s.dtype}, got {tuple(w.shape)} {w.dtype}")
+
+
+def _count_copies(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    flat = indices.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount sizes on the host)
+
+
+def _use_timer(ws: Workspace) -> bool:
+    return ws.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def _timeout(ws: Workspace, cfg: KernelConfig) -> int:
+    return min(int(cfg.timeout_s * 1e6), 2**31 - 1) if _use_timer(ws) else cfg.interpreter_max_spins
+
+
+def _num_programs(ws: Workspace, cfg: KernelConfig) -> int:
+    if cfg.num_programs is not None:
+        return cfg.num_programs
+    if ws.device.type == "cuda":
+        return torch.cuda.get_device_properties(ws.device).multi_processor_count
+    return cfg.num_comm_sms + 1
+
+
+def _exchange_counts(ws: Workspace, counts: torch.Tensor, cfg: KernelConfig, *, publish: bool = True,
+                     collect: bool = True) -> None:
+    """Publish this call's counts and collect the table; also zeroes this
+    workspace's arrival and task counters for the call (see
+    ``exchange_counts_kernel``)."""
+    s, off = ws.shape, ws.element_offsets
+    common = (
+        counts, ws.counts_all, ws.control, ws.arena_ptrs, ws.anchors[torch.int64], ws.anchors[torch.int32],
+        ws.anchor_rank, ws.rank_base, off["counts"], off["count_flags"], off["tile_arrivals"], off["token_arrivals"],
+        _timeout(ws, cfg),
+    )
+    meta = dict(WORLD=s.world_size, NUM_EXPERTS=s.num_experts, TILE_CAPACITY=s.tile_capacity,
+                TOKEN_CAPACITY=s.token_capacity, BLOCK=1024, USE_TIMER=_use_timer(ws), num_warps=4)
+    grid = (ws.num_local_ranks,)
+    if ws.num_local_ranks > 1:  # every simulated rank publishes before any waits
+        exchange_backward_counts_kernel[grid](*common, PUBLISH=True, COLLECT=False, **meta)
+        exchange_backward_counts_kernel[grid](*common, PUBLISH=False, COLLECT=True, **meta)
+    else:
+        exchange_backward_counts_kernel[grid](*common, PUBLISH=publish, COLLECT=collect, **meta)

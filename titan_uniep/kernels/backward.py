@@ -1,0 +1,729 @@
+"""Backward megakernels of one MoE layer's routed-expert path.
+
+Same layout, tiles and scoreboard as the forward (``dispatch_fc1``,
+``fc2_combine``); the backward has its own symmetric workspace whose token
+rows are ``2 * D`` wide: ``[x | dOut]`` of one source token, so one
+de-duplicated row copy carries both the saved input and the output gradient.
+
+Index arrays (``L`` local ranks, stacked as in the forward):
+
+- source side ``(L, T, K)``: ``dest_rank``/``dest_slot``/``dest_tile`` int32,
+  ``scores`` fp32; ``x``/``grad_out`` ``(L, T, D)``;
+- receive side ``(L, C)`` int32 ``tile_expert``/``tile_start``/``tile_end``,
+  ``num_tiles`` ``(L,)``, ``expert_offsets`` ``(L, El + 1)`` int32;
+- arena (every rank): ``tokens`` ``(W * T_cap, 2D)`` (``[x | dOut]`` rows),
+  ``slot_copy``/``slot_score`` ``(S,)``, ``tile_arrivals`` ``(C,)``,
+  ``returned`` ``(T_cap * K, 2D)``: columns ``[0, D)`` the dA row of copy
+  ``(t, k)``, the rest viewed as fp32 holds its ``cdiv(D, BN_B)`` partial
+  router-score gradients (scores after the experts), ``token_arrivals``.
+- local: ``h``, ``dh1``, ``dh3`` ``(L, S, H)``.
+
+Megakernel BA (dispatch + dH + SwiGLU backward), tasks:
+
+1. dispatch (``comm_block_tokens`` tokens): copy each token's ``[x | dOut]``
+   row once to every rank owning one of its experts, write slot entries,
+   release one arrival per copy on its tile;
+2. tile (expert rows ``m0..m1`` x ``BN_A`` columns of H): wait for the tile's
+   rows, recompute ``h1 = a @ w1^T``, ``h3 = a @ w3^T`` (``a`` = x row, times
+   the score when scores come before the experts, as the forward),
+   ``dH = dY @ w2`` (``dY`` = ``bf16(dOut * s)`` after, ``dOut`` before), then
+   store ``h``, ``dh1 = dH * h3 * silu'(h1)``, ``dh3 = dH * silu(h1)`` with
+   torch autograd's rounding steps.
+
+Megakernel BB (dA + combine, weight gradients), tasks:
+
+1. tile (expert rows x ``BN_B`` columns of D): ``dA = dh1 @ w1 + dh3 @ w3``
+   (one fp32 accumulator), stored into the source's ``returned[t * K + k]``;
+   scores after the experts: also ``y = h @ w2^T`` and the partial
+   ``<dOut[t], y>`` over the tile's columns (fp32), stored next to it; then
+   one release arrival per row on the source's ``token_arrivals[t]``;
+2. wgrad (expert ``e`` x output block): ``dW1/dW3[e] = dh^T @ a``,
+   ``dW2[e] = dY^T @ h``, looping over ALL rows of the expert in order (no
+   split-K, no atomics);
+3. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN_B)``
+   arrivals per token, then in fp32 and fixed order ``k = 0..K-1``:
+   ``dx = sum_k dA`` (after) or ``sum_k s * dA`` (before), and
+   ``ds = sum_cb partial`` (after, in column-block order) or ``<x, dA>``
+   (before, in column order of ``BD`` blocks).
+
+Each call starts with the backward's own counts exchange
+(``exchange_backward_counts_kernel``, the forward's protocol on the backward
+workspace), which also zeroes its arrival and task counters.
+
+Sequential schedule: the same kernels, one task kind per launch. Fused: BA
+with dispatch and tiles, BB with tiles, wgrad and reduce (the wgrad tasks
+fill the time in which dA rows cross the link). Same binaries, same tiles,
+same slots: bitwise equal gradients.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dispatch_fc1 import grouped_tile_task
+from .sync import (
+    BAD_SLOT,
+    CONTROL_WORDS,
+    CTL_EPOCH,
+    CTL_ERROR,
+    WAIT_COUNTS_FLAG,
+    WAIT_TILE_ROWS,
+    WAIT_TOKEN_ROWS,
+    arena_ptr,
+    has_failed,
+    next_task,
+    record_failure,
+    wait_counter_at_least,
+    wait_counters_at_least,
+)
+
+# Task counters of the backward workspace's control words (zeroed by its counts exchange).
+CTL_BWD_DISPATCH = 0
+CTL_BWD_DH = 1
+CTL_BWD_DA = 2
+CTL_BWD_REDUCE = 3
+CTL_BWD_WGRAD = 4
+NUM_BWD_COUNTERS = 5
+# The epoch and the error record sit where the forward keeps its own (the
+# workspace's error reporting reads them there).
+CTL_BWD_EPOCH = CTL_EPOCH
+CTL_BWD_ERROR = CTL_ERROR
+
+_CTL_BWD_DISPATCH = tl.constexpr(CTL_BWD_DISPATCH)
+_CTL_BWD_DH = tl.constexpr(CTL_BWD_DH)
+_CTL_BWD_DA = tl.constexpr(CTL_BWD_DA)
+_CTL_BWD_REDUCE = tl.constexpr(CTL_BWD_REDUCE)
+_CTL_BWD_WGRAD = tl.constexpr(CTL_BWD_WGRAD)
+_NUM_BWD_COUNTERS = tl.constexpr(NUM_BWD_COUNTERS)
+_CTL_BWD_EPOCH = tl.constexpr(CTL_BWD_EPOCH)
+_WAIT_COUNTS_FLAG = tl.constexpr(WAIT_COUNTS_FLAG)
+_BAD_SLOT = tl.constexpr(BAD_SLOT)
+_WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
+_WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
+_CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+
+
+@triton.jit
+def load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, col0, offs_c, mask_c,
+                    SCALE_IF_BEFORE: tl.constexpr, SCORE_BEFORE: tl.constexpr, ROW: tl.constexpr):
+    """Rows ``token_row`` of the ``[x | dOut]`` buffer, columns ``col0 + offs_c``,
+    times the slot's router score and rounded back (TorchTitan's
+    ``(v.float() * s).to(v.dtype)``) when ``SCALE_IF_BEFORE == SCORE_BEFORE``
+    (x rows: scores before the experts; dOut rows: after)."""
+    rows = tl.load(tokens + token_row[:, None] * ROW + col0 + offs_c[None, :],
+                   mask=mask_m[:, None] & mask_c[None, :], other=0.0, cache_modifier=".cg")
+    if SCALE_IF_BEFORE == SCORE_BEFORE:
+        score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+        rows = (rows.to(tl.float32) * score[:, None]).to(rows.dtype)
+    return rows
+
+
+@triton.jit
+def dispatch_grad_task(
+    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+    x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
+    arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+    token_capacity, slot_capacity, tile_capacity, silent_rank,
+    WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    KP: tl.constexpr,
+):
+    """Send ``BT`` tokens' ``[x | dOut]`` rows once per destination rank, then signal their copies' tiles."""
+    local = task // tasks_per_rank
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    num_tokens = tl.load(num_tokens_ptr + local)
+    if (rank != silent_rank) & (has_failed(control) == 0):
+        offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
+        mask_t = offs_t < num_tokens
+        offs_k = tl.arange(0, KP)
+        mask_tk = mask_t[:, None] & (offs_k < TOP_K)[None, :]
+        route = local * route_rank_stride + offs_t[:, None] * TOP_K + offs_k[None, :]
+        dest = tl.load(dest_rank_ptr + route, mask=mask_tk, other=-1)
+        token_rows = rank.to(tl.int64) * token_capacity + offs_t
+        src = local.to(tl.int64) * x_rank_stride + offs_t[:, None].to(tl.int64) * DIM
+        for d0 in range(0, DIM, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask_d = offs_d < DIM
+            mask = mask_t[:, None] & mask_d[None, :]
+            x_rows = tl.load(x_ptr + src + offs_d[None, :], mask=mask)
+            g_rows = tl.load(g_ptr + src + offs_d[None, :], mask=mask)
+            for peer in range(WORLD):
+                goes_there = tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0
+                tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, peer, off_tokens)
+                dst = tokens + token_rows[:, None] * (2 * DIM) + offs_d[None, :]
+                there = goes_there[:, None] & mask_d[None, :]
+                tl.store(dst, x_rows, mask=there)
+                tl.store(dst + DIM, g_rows, mask=there)
+
+        slot = tl.load(dest_slot_ptr + route, mask=mask_tk, other=0)
+        tile = tl.load(dest_tile_ptr + route, mask=mask_tk, other=0)
+        fits = (slot >= 0) & (slot < slot_capacity) & (tile >= 0) & (tile < tile_capacity)
+        bad = mask_tk & (fits == 0)
+        if tl.max(bad.to(tl.int32)) > 0:
+            first_bad = tl.min(tl.where(bad, offs_t[:, None], 1 << 30))
+            record_failure(control, rank, task, _BAD_SLOT, first_bad, slot_capacity, tl.max(tl.where(bad, slot, 0)))
+        ok = mask_tk & fits
+        peer = tl.maximum(dest, 0)
+        copy_id = token_rows[:, None] * TOP_K + offs_k[None, :]
+        tl.store(arena_ptr(i32_anchor, arena_ptrs, anchor_rank, peer, off_slot_copy) + slot, copy_id.to(tl.int32),
+                 mask=ok)
+        score = tl.load(scores_ptr + route, mask=mask_tk, other=0.0)
+        tl.store(arena_ptr(f32_anchor, arena_ptrs, anchor_rank, peer, off_slot_score) + slot, score, mask=ok)
+        tl.debug_barrier()  # every row and slot store before any arrival
+        tile_arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, peer, off_tile_arrivals)
+        tl.atomic_add(tile_arrivals + tile, 1, mask=ok, sem="release", scope="sys")
+
+
+@triton.jit
+def grad_hidden_tile(
+    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, m0, m1, n0,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """h, dh1, dh3 at slots ``m0..m1``, columns ``n0..n0+BN`` of one expert
+    (``w1``/``w3``: its (H, D), ``w2``: its (D, H))."""
+    offs_m = m0 + tl.arange(0, BM)
+    mask_m = offs_m < m1
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < HIDDEN
+    offs_k = tl.arange(0, BK)
+    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+    token_row = (copy_id // TOP_K).to(tl.int64)
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, DIM, BK):
+        cols = k0 + offs_k
+        mask_k = cols < DIM
+        a = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, k0, offs_k, mask_k,
+                            True, SCORE_BEFORE, 2 * DIM)
+        dy = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, DIM + k0, offs_k, mask_k,
+                             False, SCORE_BEFORE, 2 * DIM)
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        b1 = tl.load(w1 + offs_n[None, :].to(tl.int64) * DIM + cols[:, None], mask=mask_kn, other=0.0)
+        b3 = tl.load(w3 + offs_n[None, :].to(tl.int64) * DIM + cols[:, None], mask=mask_kn, other=0.0)
+        b2 = tl.load(w2 + cols[:, None].to(tl.int64) * HIDDEN + offs_n[None, :], mask=mask_kn, other=0.0)
+        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+        acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+        acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
+    # Rounding as torch autograd of TorchTitan's expert: every GEMM output and
+    # every elementwise result in the activation dtype, math in fp32.
+    out_ty = h.dtype.element_ty
+    gate = acc1.to(out_ty).to(tl.float32)
+    up = acc3.to(out_ty).to(tl.float32)
+    grad = acc_dh.to(out_ty).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    grad_act = (grad * up).to(out_ty).to(tl.float32)
+    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(h + at, (act * up).to(out_ty), mask=mask)
+    tl.store(dh3 + at, (grad * act).to(out_ty), mask=mask)
+    tl.store(dh1 + at, (grad_act * (sig * (1.0 + gate * (1.0 - sig)))).to(out_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_tiles", "num_dispatch_programs",
+                               "silent_rank", "timeout"])
+def dispatch_grad_hidden_kernel(
+    x_ptr,  # (L, T, D) saved forward input
+    g_ptr,  # (L, T, D) output gradient
+    x_rank_stride,
+    scores_ptr,  # (L, T, K) fp32
+    dest_rank_ptr,  # (L, T, K) int32
+    dest_slot_ptr,  # (L, T, K) int32
+    dest_tile_ptr,  # (L, T, K) int32
+    route_rank_stride,
+    num_tokens_ptr,  # (L,) int32
+    tile_expert_ptr,  # (L, C) int32
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_rank_stride,
+    num_tiles_ptr,  # (L,) int32
+    w1_ptr,  # (L, El, H, D)
+    w2_ptr,  # (L, El, D, H)
+    w3_ptr,  # (L, El, H, D)
+    weight_rank_stride,
+    h_ptr,  # (L, S, H) out
+    dh1_ptr,  # (L, S, H) out
+    dh3_ptr,  # (L, S, H) out
+    h_rank_stride,
+    control_ptr,  # (L, CONTROL_WORDS) int64
+    arena_ptrs,  # (W,) int64
+    act_anchor,
+    i32_anchor,
+    f32_anchor,
+    anchor_rank,
+    off_tokens,
+    off_slot_copy,
+    off_slot_score,
+    off_tile_arrivals,
+    rank_base,
+    token_capacity,
+    slot_capacity,
+    tile_capacity,
+    do_dispatch,
+    do_tiles,
+    num_dispatch_programs,
+    silent_rank,
+    timeout,
+    NUM_LOCAL: tl.constexpr,
+    WORLD: tl.constexpr,
+    DIM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SCORE_BEFORE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    KP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if (do_dispatch != 0) & (pid < num_dispatch_programs):
+        max_tokens = 0
+        for local in range(NUM_LOCAL):
+            max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
+        tasks_per_rank = tl.cdiv(max_tokens, BT)
+        total = NUM_LOCAL * tasks_per_rank
+        task = next_task(control_ptr, _CTL_BWD_DISPATCH)
+        while task < total:
+            dispatch_grad_task(
+                task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+                x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
+                route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+                token_capacity, slot_capacity, tile_capacity, silent_rank,
+                WORLD, DIM, TOP_K, BT, BD, KP,
+            )
+            task = next_task(control_ptr, _CTL_BWD_DISPATCH)
+
+    if do_tiles != 0:
+        col_blocks = tl.cdiv(HIDDEN, BN)
+        max_tiles = 0
+        for local in range(NUM_LOCAL):
+            max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
+        total = NUM_LOCAL * max_tiles * col_blocks
+        task = next_task(control_ptr, _CTL_BWD_DH)
+        while task < total:
+            local = task % NUM_LOCAL
+            rank = rank_base + local
+            control = control_ptr + local * _CONTROL_WORDS
+            num_tiles = tl.load(num_tiles_ptr + local)
+            rank_task = task // NUM_LOCAL
+            if (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0):
+                tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
+                expert = tl.load(tile_expert_ptr + local * tile_rank_stride + tile)
+                m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
+                m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
+                arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_arrivals) + tile
+                seen = wait_counter_at_least(arrivals, m1 - m0, timeout, USE_TIMER)
+                if seen < m1 - m0:
+                    record_failure(control, rank, task, _WAIT_TILE_ROWS, tile, m1 - m0, seen)
+                elif m1 <= slot_capacity:
+                    weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
+                    hidden_at = local.to(tl.int64) * h_rank_stride
+                    grad_hidden_tile(
+                        arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens),
+                        arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
+                        arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score),
+                        w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
+                        h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
+                        m0, m1, col_block * BN, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, PRECISION,
+                    )
+            task = next_task(control_ptr, _CTL_BWD_DH)
+
+
+@triton.jit
+def grad_input_tile(
+    h, dh1, dh3, w1, w2, w3, tokens, slot_copy, m0, m1, n0,
+    arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32,
+    off_token_arrivals, token_capacity,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dA (and the score-gradient partial) of slots ``m0..m1``, columns
+    ``n0..n0+BN`` of D, sent to each row's source with one release arrival."""
+    offs_m = m0 + tl.arange(0, BM)
+    mask_m = offs_m < m1
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < DIM
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_y = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BK):
+        cols = k0 + offs_k
+        mask_k = cols < HIDDEN
+        mask_mk = mask_m[:, None] & mask_k[None, :]
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        at = offs_m[:, None].to(tl.int64) * HIDDEN + cols[None, :]
+        g1 = tl.load(dh1 + at, mask=mask_mk, other=0.0)
+        g3 = tl.load(dh3 + at, mask=mask_mk, other=0.0)
+        b1 = tl.load(w1 + cols[:, None].to(tl.int64) * DIM + offs_n[None, :], mask=mask_kn, other=0.0)
+        b3 = tl.load(w3 + cols[:, None].to(tl.int64) * DIM + offs_n[None, :], mask=mask_kn, other=0.0)
+        acc = tl.dot(g1, b1, acc, input_precision=PRECISION)
+        acc = tl.dot(g3, b3, acc, input_precision=PRECISION)
+        if not SCORE_BEFORE:
+            hh = tl.load(h + at, mask=mask_mk, other=0.0)
+            b2 = tl.load(w2 + offs_n[None, :].to(tl.int64) * HIDDEN + cols[:, None], mask=mask_kn, other=0.0)
+            acc_y = tl.dot(hh, b2, acc_y, input_precision=PRECISION)
+    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+    per_rank = token_capacity * TOP_K
+    source = copy_id // per_rank
+    row = (copy_id % per_rank).to(tl.int64)
+    mask = mask_m[:, None] & mask_n[None, :]
+    out_ty = h.dtype.element_ty
+    returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
+    tl.store(returned[:, None] + row[:, None] * (2 * DIM) + offs_n[None, :], acc.to(out_ty), mask=mask)
+    if not SCORE_BEFORE:
+        # ds[t, k] = <dOut[t], y[t, k]>: this column block's share, y rounded as the forward's.
+        y = acc_y.to(out_ty).to(tl.float32)
+        token_row = (copy_id // TOP_K).to(tl.int64)
+        g = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_n[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg")
+        part = tl.sum(g.to(tl.float32) * y, axis=1)
+        parts = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, source, off_returned_f32)
+        tl.store(parts + row * RET_ROW_F32 + PARTS_AT_F32 + n0 // BN, part, mask=mask_m)
+    tl.debug_barrier()
+    arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
+    tl.atomic_add(arrivals + row // TOP_K, 1, mask=mask_m, sem="release", scope="sys")
+
+
+@triton.jit
+def weight_grad_task(
+    task, tasks_w13, rank_base, expert_offsets_ptr, expert_rank_stride, h_ptr, dh1_ptr, dh3_ptr, h_rank_stride,
+    dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+    off_tokens, off_slot_copy, off_slot_score,
+    NUM_LOCAL: tl.constexpr, NUM_EXPERTS_LOCAL: tl.constexpr, DIM: tl.constexpr, HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, WB: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (rank, expert, WB x WB output block) of dW1 and dW3 (tasks below
+    ``tasks_w13``) or of dW2, accumulated over every row of the expert in
+    slot order."""
+    local = task % NUM_LOCAL
+    rank = rank_base + local
+    rank_task = task // NUM_LOCAL
+    is_w13 = rank_task < tasks_w13
+    rank_task = tl.where(is_w13, rank_task, rank_task - tasks_w13)
+    hb = tl.cdiv(HIDDEN, WB)
+    db = tl.cdiv(DIM, WB)
+    per_expert = hb * db
+    expert = rank_task // per_expert
+    block = rank_task % per_expert
+    lo = tl.load(expert_offsets_ptr + local * expert_rank_stride + expert)
+    hi = tl.load(expert_offsets_ptr + local * expert_rank_stride + expert + 1)
+    tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens)
+    slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
+    slot_score = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score)
+    hidden_at = local.to(tl.int64) * h_rank_stride
+    weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
+    offs_r = tl.arange(0, BM)
+    if is_w13:
+        # dW1[e][h, d] = sum_m dh1[m, h] a[m, d] (dW3 alike): out (H, D).
+        offs_h = (block // db) * WB + tl.arange(0, WB)
+        offs_d = (block % db) * WB + tl.arange(0, WB)
+        mask_h = offs_h < HIDDEN
+        mask_d = offs_d < DIM
+        acc1 = tl.zeros((WB, WB), dtype=tl.float32)
+        acc3 = tl.zeros((WB, WB), dtype=tl.float32)
+        m0 = lo
+        while m0 < hi:
+            offs_m = m0 + offs_r
+            mask_m = offs_m < hi
+            copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+            token_row = (copy_id // TOP_K).to(tl.int64)
+            a = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, 0, offs_d, mask_d, True,
+                                SCORE_BEFORE, 2 * DIM)
+            at = hidden_at + offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+            g1 = tl.load(dh1_ptr + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
+            g3 = tl.load(dh3_ptr + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
+            acc1 = tl.dot(tl.trans(g1), a, acc1, input_precision=PRECISION)
+            acc3 = tl.dot(tl.trans(g3), a, acc3, input_precision=PRECISION)
+            m0 += BM
+        out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
+        mask = mask_h[:, None] & mask_d[None, :]
+        tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
+    else:
+        # dW2[e][d, h] = sum_m dY[m, d] h[m, h]: out (D, H).
+        offs_d = (block // hb) * WB + tl.arange(0, WB)
+        offs_h = (block % hb) * WB + tl.arange(0, WB)
+        mask_h = offs_h < HIDDEN
+        mask_d = offs_d < DIM
+        acc = tl.zeros((WB, WB), dtype=tl.float32)
+        m0 = lo
+        while m0 < hi:
+            offs_m = m0 + offs_r
+            mask_m = offs_m < hi
+            copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+            token_row = (copy_id // TOP_K).to(tl.int64)
+            dy = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, DIM, offs_d, mask_d,
+                                 False, SCORE_BEFORE, 2 * DIM)
+            at = hidden_at + offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+            hh = tl.load(h_ptr + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
+            acc = tl.dot(tl.trans(dy), hh, acc, input_precision=PRECISION)
+            m0 += BM
+        out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+        tl.store(dw2_ptr + out, acc.to(dw2_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_h[None, :])
+
+
+@triton.jit
+def reduce_grad_task(
+    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
+    x_ptr, x_rank_stride, dx_ptr, ds_ptr, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+    off_returned, off_returned_f32, off_token_arrivals, arrivals_per_token, timeout,
+    NUM_PARTS: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
+    KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    """dx and ds of ``BT`` tokens, once all their dA rows are back."""
+    local = task // tasks_per_rank
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    num_tokens = tl.load(num_tokens_ptr + local)
+    if has_failed(control) == 0:
+        offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
+        mask_t = offs_t < num_tokens
+        arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals) + offs_t
+        seen = wait_counters_at_least(arrivals, mask_t, arrivals_per_token, timeout, USE_TIMER)
+        short = mask_t & (seen < arrivals_per_token)
+        if tl.max(short.to(tl.int32)) > 0:
+            first = tl.min(tl.where(short, offs_t, 1 << 30))
+            record_failure(control, rank, task, _WAIT_TOKEN_ROWS, first, arrivals_per_token,
+                           tl.min(tl.where(short, seen, 1 << 30)))
+        else:
+            returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_returned)
+            rows = offs_t.to(tl.int64) * TOP_K
+            offs_k = tl.arange(0, KP)
+            mask_tk = mask_t[:, None] & (offs_k < TOP_K)[None, :]
+            route = local * route_rank_stride + offs_t[:, None] * TOP_K + offs_k[None, :]
+            ds = tl.zeros((BT, KP), dtype=tl.float32)
+            tok = local.to(tl.int64) * x_rank_stride + offs_t[:, None].to(tl.int64) * DIM
+            for d0 in range(0, DIM, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                mask = mask_t[:, None] & (offs_d < DIM)[None, :]
+                acc = tl.zeros((BT, BD), dtype=tl.float32)
+                if SCORE_BEFORE:
+                    x = tl.load(x_ptr + tok + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+                for k in range(0, TOP_K):
+                    da = tl.load(returned + (rows + k)[:, None] * (2 * DIM) + offs_d[None, :], mask=mask,
+                                 other=0.0, cache_modifier=".cg").to(tl.float32)
+                    if SCORE_BEFORE:
+                        score = tl.load(scores_ptr + local * route_rank_stride + offs_t * TOP_K + k, mask=mask_t)
+                        acc += score[:, None] * da
+                        part = tl.sum(x * da, axis=1)
+                        ds += tl.where(offs_k[None, :] == k, part[:, None], 0.0)
+                    else:
+                        acc += da
+                tl.store(dx_ptr + tok + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
+            if not SCORE_BEFORE:
+                parts = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_returned_f32)
+                at = (rows[:, None] + offs_k[None, :]) * RET_ROW_F32 + PARTS_AT_F32
+                for p in range(0, NUM_PARTS):
+                    ds += tl.load(parts + at + p, mask=mask_tk, other=0.0, cache_modifier=".cg")
+            tl.store(ds_ptr + route, ds, mask=mask_tk)
+
+
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_tiles", "do_wgrad", "do_reduce", "timeout"])
+def grad_input_combine_kernel(
+    h_ptr,  # (L, S, H)
+    dh1_ptr,  # (L, S, H)
+    dh3_ptr,  # (L, S, H)
+    h_rank_stride,
+    w1_ptr,  # (L, El, H, D)
+    w2_ptr,  # (L, El, D, H)
+    w3_ptr,  # (L, El, H, D)
+    dw1_ptr,  # (L, El, H, D) out
+    dw2_ptr,  # (L, El, D, H) out
+    dw3_ptr,  # (L, El, H, D) out
+    weight_rank_stride,
+    tile_expert_ptr,  # (L, C) int32
+    tile_start_ptr,
+    tile_end_ptr,
+    tile_rank_stride,
+    num_tiles_ptr,  # (L,) int32
+    expert_offsets_ptr,  # (L, El + 1) int32
+    expert_rank_stride,
+    scores_ptr,  # (L, T, K) fp32
+    route_rank_stride,
+    num_tokens_ptr,  # (L,) int32
+    x_ptr,  # (L, T, D)
+    x_rank_stride,
+    dx_ptr,  # (L, T, D) out
+    ds_ptr,  # (L, T, K) fp32 out
+    control_ptr,  # (L, CONTROL_WORDS) int64
+    arena_ptrs,
+    act_anchor,
+    i32_anchor,
+    f32_anchor,
+    anchor_rank,
+    off_tokens,
+    off_slot_copy,
+    off_slot_score,
+    off_returned,
+    off_returned_f32,  # fp32 element offset of ``returned``
+    off_token_arrivals,
+    rank_base,
+    token_capacity,
+    slot_capacity,
+    do_tiles,
+    do_wgrad,
+    do_reduce,
+    timeout,
+    NUM_LOCAL: tl.constexpr,
+    NUM_EXPERTS_LOCAL: tl.constexpr,
+    DIM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SCORE_BEFORE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    WB: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    KP: tl.constexpr,
+    RET_ROW_F32: tl.constexpr,
+    PARTS_AT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    col_blocks = tl.cdiv(DIM, BN)
+    if do_tiles != 0:
+        max_tiles = 0
+        for local in range(NUM_LOCAL):
+            max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
+        total = NUM_LOCAL * max_tiles * col_blocks
+        task = next_task(control_ptr, _CTL_BWD_DA)
+        while task < total:
+            local = task % NUM_LOCAL
+            rank = rank_base + local
+            control = control_ptr + local * _CONTROL_WORDS
+            num_tiles = tl.load(num_tiles_ptr + local)
+            rank_task = task // NUM_LOCAL
+            if (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0):
+                tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
+                expert = tl.load(tile_expert_ptr + local * tile_rank_stride + tile)
+                m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
+                m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
+                if m1 <= slot_capacity:
+                    weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
+                    hidden_at = local.to(tl.int64) * h_rank_stride
+                    grad_input_tile(
+                        h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
+                        w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
+                        arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens),
+                        arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
+                        m0, m1, col_block * BN, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                        off_returned, off_returned_f32, off_token_arrivals, token_capacity,
+                        DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, RET_ROW_F32, PARTS_AT_F32, PRECISION,
+                    )
+            task = next_task(control_ptr, _CTL_BWD_DA)
+
+    if do_wgrad != 0:
+        tasks_w13 = NUM_EXPERTS_LOCAL * tl.cdiv(HIDDEN, WB) * tl.cdiv(DIM, WB)
+        total = NUM_LOCAL * 2 * tasks_w13
+        task = next_task(control_ptr, _CTL_BWD_WGRAD)
+        while task < total:
+            if has_failed(control_ptr + (task % NUM_LOCAL) * _CONTROL_WORDS) == 0:
+                weight_grad_task(
+                    task, tasks_w13, rank_base, expert_offsets_ptr, expert_rank_stride, h_ptr, dh1_ptr, dh3_ptr,
+                    h_rank_stride, dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor,
+                    i32_anchor, f32_anchor, anchor_rank, off_tokens, off_slot_copy, off_slot_score,
+                    NUM_LOCAL, NUM_EXPERTS_LOCAL, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, WB, PRECISION,
+                )
+            task = next_task(control_ptr, _CTL_BWD_WGRAD)
+
+    if do_reduce != 0:
+        max_tokens = 0
+        for local in range(NUM_LOCAL):
+            max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
+        tasks_per_rank = tl.cdiv(max_tokens, BT)
+        total = NUM_LOCAL * tasks_per_rank
+        task = next_task(control_ptr, _CTL_BWD_REDUCE)
+        while task < total:
+            reduce_grad_task(
+                task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
+                x_ptr, x_rank_stride, dx_ptr, ds_ptr, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                off_returned, off_returned_f32, off_token_arrivals, TOP_K * col_blocks, timeout,
+                (DIM + BN - 1) // BN, DIM, TOP_K, SCORE_BEFORE, BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER,
+            )
+            task = next_task(control_ptr, _CTL_BWD_REDUCE)
+
+
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout"])
+def exchange_backward_counts_kernel(
+    counts_ptr,  # (L, E) int64: this call's copies per global expert, per local rank
+    counts_all_ptr,  # (L, W, E) int64 out: the exchanged table, identical on every rank
+    control_ptr,  # (L, CONTROL_WORDS) int64
+    arena_ptrs,  # (W,) int64
+    i64_anchor,
+    i32_anchor,
+    anchor_rank,
+    rank_base,
+    off_counts,  # int64 element offset of the (2, W, E) count tables
+    off_count_flags,  # int64 element offset of the (2, W) flags
+    off_tile_arrivals,  # int32 element offset of (C,)
+    off_token_arrivals,  # int32 element offset of (T_cap,)
+    timeout,
+    WORLD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    TILE_CAPACITY: tl.constexpr,
+    TOKEN_CAPACITY: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    COLLECT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    """The backward's own counts exchange (one program per local rank), with
+    the forward's protocol (``sync.exchange_counts_kernel`` as of the first
+    forward): PUBLISH zeroes this rank's arrival and task counters (every
+    peer bump of its previous call has landed: it waited for all of them),
+    bumps the epoch, writes its counts into every rank's table
+    ``[epoch % 2][rank]`` and releases its flag there; COLLECT waits (bounded)
+    for every rank's flag of this epoch and copies the table out."""
+    local = tl.program_id(0)
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    offs = tl.arange(0, BLOCK)
+    if PUBLISH:
+        tile_arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_arrivals)
+        for i in range(0, TILE_CAPACITY, BLOCK):
+            tl.store(tile_arrivals + i + offs, 0, mask=i + offs < TILE_CAPACITY)
+        token_arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals)
+        for i in range(0, TOKEN_CAPACITY, BLOCK):
+            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_CAPACITY)
+        tl.store(control + offs, 0, mask=offs < _NUM_BWD_COUNTERS)
+        epoch = tl.load(control + _CTL_BWD_EPOCH) + 1
+        tl.store(control + _CTL_BWD_EPOCH, epoch)
+        parity = epoch % 2
+        for peer in range(WORLD):
+            table = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, peer, off_counts)
+            row = table + (parity * WORLD + rank) * NUM_EXPERTS
+            for e in range(0, NUM_EXPERTS, BLOCK):
+                value = tl.load(counts_ptr + local * NUM_EXPERTS + e + offs, mask=e + offs < NUM_EXPERTS)
+                tl.store(row + e + offs, value, mask=e + offs < NUM_EXPERTS)
+        tl.debug_barrier()
+        for peer in range(WORLD):
+            flags = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, peer, off_count_flags)
+            tl.atomic_xchg(flags + parity * WORLD + rank, epoch, sem="release", scope="sys")
+    if COLLECT:
+        epoch = tl.load(control + _CTL_BWD_EPOCH)
+        parity = epoch % 2
+        flags = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, rank, off_count_flags) + parity * WORLD
+        for source in range(WORLD):
+            seen = wait_counter_at_least(flags + source, epoch, timeout, USE_TIMER)
+            if seen < epoch:
+                record_failure(control, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen)
+        table = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, rank, off_counts) + parity * WORLD * NUM_EXPERTS
+        total: tl.constexpr = WORLD * NUM_EXPERTS
+        for i in range(0, total, BLOCK):
+            value = tl.load(table + i + offs, mask=i + offs < total, cache_modifier=".cg")
+            tl.store(counts_all_ptr + local * total + i + offs, value, mask=i + offs < total)
