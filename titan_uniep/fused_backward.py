@@ -39,6 +39,7 @@ import os
 from typing import Literal, Sequence
 
 import torch
+import torch.distributed as dist
 import triton
 
 from .kernels.backward import (
@@ -48,7 +49,7 @@ from .kernels.backward import (
     grad_input_combine_kernel,
 )
 from .kernels.sync import BAD_SLOT, ERROR_FIELDS, WAIT_COUNTS_FLAG, WAIT_TILE_ROWS, WAIT_TOKEN_ROWS
-from .kernels.tuning import KernelConfig
+from .kernels.tuning import KernelConfig, default_config
 from .layout import compute_layout, compute_tiles
 from .symm import Workspace
 
@@ -93,7 +94,7 @@ class BackwardWorkspace:
     def for_group(cls, group, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
                   dtype: torch.dtype, device=None, config: KernelConfig | None = None) -> "BackwardWorkspace":
         """Real EP: collective over ``group`` (same arguments on every rank)."""
-        config = _direct(config)
+        config = _direct(config, dist.get_world_size(group))
         inner = Workspace.for_group(group, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device, config=config)
         return cls(inner, dim)
@@ -104,7 +105,7 @@ class BackwardWorkspace:
         """Every rank's buffers in this process (one launch runs the world)."""
         inner = Workspace.simulated(world_size, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device,
-                                    config=_direct(config))
+                                    config=_direct(config, world_size))
         return cls(inner, dim)
 
     @property
@@ -155,9 +156,9 @@ class BackwardWorkspace:
                 )
 
 
-def _direct(config: KernelConfig | None) -> KernelConfig | None:
-    # The backward never stages its combine (no y buffer in its workspace).
-    return None if config is None else config.replace(combine="direct")
+def _direct(config: KernelConfig | None, world_size: int) -> KernelConfig:
+    # The backward combines directly (no y, partials... buffers in its workspace).
+    return (config or default_config(world_size)).replace(combine="direct")
 
 
 def moe_backward(
@@ -284,19 +285,30 @@ def _prepare_rank_arrays(ws: Workspace, grad_out, x, top_scores, indices, w1, w2
     )
 
 
+# Tiles of the backward GEMMs on the GPU, independent of the forward's
+# KernelConfig (only its layout tile ``block_m`` is shared):
+# - ``dh``: columns of H of the dH tile (three 128 x 64 fp32 accumulators:
+#   h1, h3, dH; five operands a step); ``bk``: the K step of dH and dA;
+# - ``da``: columns of D of the dA tile (one accumulator per K-loop: dA, then
+#   y when scores come after the experts);
+# - ``wgrad_h`` x ``wgrad_d``: a weight-gradient output block (dW1 and dW3
+#   together: two accumulators; dW2 transposed), ``wgrad_rows`` rows a step,
+#   ``wgrad_group`` D blocks per task (one task-counter claim per group);
+# - ``stages``: software-pipelining depth of every GEMM loop; ``warps``.
+# ptxas for sm_90 at block_m = 128: <= 255 registers, <= 8 B spilled, 152 KB
+# (BA) and 192 KB (BB) of shared memory (tests/test_backward_compile.py).
+BACKWARD_TILES = dict(dh=64, da=128, bk=64, wgrad_h=128, wgrad_d=128, wgrad_rows=64, wgrad_group=4, stages=3,
+                      warps=8)
+
+
 def backward_block_sizes(cfg: KernelConfig) -> dict[str, int]:
-    """Tile widths of the backward GEMMs, derived from the forward's knobs: the
-    dH tile keeps three accumulators (h1, h3, dH) and reads five operands, the
-    dA tile two accumulators (dA, y) and six operands, the weight-gradient
-    tile two accumulators; columns shrink to stay within the registers and
-    shared memory of the forward tiles (defaults 32, 64, 64; ptxas for sm_90,
-    BM = 128, 8 warps: the dH tile spills ~0.1 KB, the dA tile with scores
-    after the experts ~1 KB; wider tiles spill more)."""
-    return dict(
-        dh=max(16, cfg.block_n_fc1 // 4),
-        da=max(16, cfg.block_n_fc2 // 4),
-        wgrad=max(16, cfg.block_n_fc1 // 2),
-    )
+    """``BACKWARD_TILES`` for GPU-sized layout tiles (``block_m >= 64``); for
+    the interpreter's small configs, tiles derived from its knobs."""
+    if cfg.block_m >= 64:
+        return dict(BACKWARD_TILES)
+    return dict(dh=cfg.block_n_fc1, da=cfg.block_n_fc2, bk=cfg.block_k, wgrad_h=cfg.block_n_fc1,
+                wgrad_d=cfg.block_n_fc1, wgrad_rows=cfg.block_k, wgrad_group=4, stages=max(1, cfg.num_stages),
+                warps=cfg.num_warps)
 
 
 def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bool, phases: Sequence[str],
@@ -312,15 +324,15 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     elem = s.elem_size
     parts = triton.cdiv(dim, blocks["da"])
     if parts > dim * elem // 4:
-        raise ValueError(f"KernelConfig.block_n_fc2 ({cfg.block_n_fc2}) too small for dim {dim} in the backward")
+        raise ValueError(f"backward dA tile width {blocks['da']} too small for dim {dim}")
     dx = torch.empty_like(a["x"])
     ds = torch.empty(a["scores"].shape, dtype=torch.float32, device=dx.device)
     dw1, dw2, dw3 = torch.empty_like(a["w1"]), torch.empty_like(a["w2"]), torch.empty_like(a["w3"])
     if poison:
         for out in (dx, ds, dw1, dw2, dw3):
             out.fill_(float("nan"))
-    # Two stages: the dH tile streams five operands per step (a, dY, w1, w3, w2).
-    opts = dict(num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 2))
+    opts = dict(num_warps=blocks["warps"], num_stages=blocks["stages"])
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     h = ws.h
 
     def kernel_ba(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
@@ -333,7 +345,7 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
             do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout,
             NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
-            SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["dh"], BK=cfg.block_k, GROUP_M=cfg.group_m,
+            SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["dh"], BK=blocks["bk"], GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(top_k),
             PRECISION=precision, USE_TIMER=use_timer, **opts,
         )
@@ -348,10 +360,11 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             ws.offsets["returned"] // 4, off["token_arrivals"], ws.rank_base, s.token_capacity, s.slot_capacity,
             do_tiles, do_wgrad, do_reduce, timeout,
             NUM_LOCAL=ws.num_local_ranks, NUM_EXPERTS_LOCAL=s.num_local_experts, DIM=dim, HIDDEN=hidden,
-            TOP_K=top_k, SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["da"], BK=cfg.block_k,
-            WB=blocks["wgrad"], GROUP_M=cfg.group_m, BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
+            TOP_K=top_k, SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["da"], BK=blocks["bk"],
+            WH=blocks["wgrad_h"], WD=blocks["wgrad_d"], BR=blocks["wgrad_rows"], WG=blocks["wgrad_group"],
+            WSTAGES=blocks["stages"], GROUP_M=cfg.group_m, BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
             KP=triton.next_power_of_2(top_k), RET_ROW_F32=2 * dim * elem // 4, PARTS_AT_F32=dim * elem // 4,
-            PRECISION=precision, USE_TIMER=use_timer, **opts,
+            PRECISION=precision, USE_TIMER=use_timer, INTERPRET=interpret, **opts,
         )
 
     for phase in phases:

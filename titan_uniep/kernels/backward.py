@@ -34,12 +34,14 @@ Megakernel BB (dA + combine, weight gradients), tasks:
 
 1. tile (expert rows x ``BN_B`` columns of D): ``dA = dh1 @ w1 + dh3 @ w3``
    (one fp32 accumulator), stored into the source's ``returned[t * K + k]``;
-   scores after the experts: also ``y = h @ w2^T`` and the partial
-   ``<dOut[t], y>`` over the tile's columns (fp32), stored next to it; then
-   one release arrival per row on the source's ``token_arrivals[t]``;
-2. wgrad (expert ``e`` x output block): ``dW1/dW3[e] = dh^T @ a``,
-   ``dW2[e] = dY^T @ h``, looping over ALL rows of the expert in order (no
-   split-K, no atomics);
+   scores after the experts: then, in a second K-loop, ``y = h @ w2^T`` and
+   the partial ``<dOut[t], y>`` over the tile's columns (fp32), stored next
+   to it; then one release arrival per row on the source's
+   ``token_arrivals[t]``;
+2. wgrad (expert ``e`` x ``WH`` rows of H x ``WG`` blocks of ``WD`` columns
+   of D): ``dW1/dW3[e] = dh^T @ a``, ``dW2[e] = dY^T @ h``, each output
+   block looping over ALL rows of the expert in slot order, ``BR`` rows a
+   step (no split-K, no atomics);
 3. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN_B)``
    arrivals per token, then in fp32 and fixed order ``k = 0..K-1``:
    ``dx = sum_k dA`` (after) or ``sum_k s * dA`` (before), and
@@ -102,21 +104,6 @@ _BAD_SLOT = tl.constexpr(BAD_SLOT)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
-
-
-@triton.jit
-def load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, col0, offs_c, mask_c,
-                    SCALE_IF_BEFORE: tl.constexpr, SCORE_BEFORE: tl.constexpr, ROW: tl.constexpr):
-    """Rows ``token_row`` of the ``[x | dOut]`` buffer, columns ``col0 + offs_c``,
-    times the slot's router score and rounded back (TorchTitan's
-    ``(v.float() * s).to(v.dtype)``) when ``SCALE_IF_BEFORE == SCORE_BEFORE``
-    (x rows: scores before the experts; dOut rows: after)."""
-    rows = tl.load(tokens + token_row[:, None] * ROW + col0 + offs_c[None, :],
-                   mask=mask_m[:, None] & mask_c[None, :], other=0.0, cache_modifier=".cg")
-    if SCALE_IF_BEFORE == SCORE_BEFORE:
-        score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
-        rows = (rows.to(tl.float32) * score[:, None]).to(rows.dtype)
-    return rows
 
 
 @triton.jit
@@ -183,7 +170,11 @@ def grad_hidden_tile(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """h, dh1, dh3 at slots ``m0..m1``, columns ``n0..n0+BN`` of one expert
-    (``w1``/``w3``: its (H, D), ``w2``: its (D, H))."""
+    (``w1``/``w3``: its (H, D), ``w2``: its (D, H)). The K-loop over D has a
+    compile-time trip count and advancing pointers (software-pipelined: the
+    gathered ``[x | dOut]`` rows and the three weight tiles are async copies)."""
+    EVEN_K: tl.constexpr = DIM % BK == 0
+    EVEN_N: tl.constexpr = HIDDEN % BN == 0
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
     offs_n = n0 + tl.arange(0, BN)
@@ -191,23 +182,47 @@ def grad_hidden_tile(
     offs_k = tl.arange(0, BK)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     token_row = (copy_id // TOP_K).to(tl.int64)
+    score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+    a_ptrs = tokens + token_row[:, None] * (2 * DIM) + offs_k[None, :]
+    b1_ptrs = w1 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    b3_ptrs = w3 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, DIM, BK):
-        cols = k0 + offs_k
-        mask_k = cols < DIM
-        a = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, k0, offs_k, mask_k,
-                            True, SCORE_BEFORE, 2 * DIM)
-        dy = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, DIM + k0, offs_k, mask_k,
-                             False, SCORE_BEFORE, 2 * DIM)
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        b1 = tl.load(w1 + offs_n[None, :].to(tl.int64) * DIM + cols[:, None], mask=mask_kn, other=0.0)
-        b3 = tl.load(w3 + offs_n[None, :].to(tl.int64) * DIM + cols[:, None], mask=mask_kn, other=0.0)
-        b2 = tl.load(w2 + cols[:, None].to(tl.int64) * HIDDEN + offs_n[None, :], mask=mask_kn, other=0.0)
+    for k in range(0, tl.cdiv(DIM, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            dy = tl.load(a_ptrs + DIM, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            if EVEN_N:
+                b1 = tl.load(b1_ptrs)
+                b3 = tl.load(b3_ptrs)
+                b2 = tl.load(b2_ptrs)
+            else:
+                b1 = tl.load(b1_ptrs, mask=mask_n[None, :], other=0.0)
+                b3 = tl.load(b3_ptrs, mask=mask_n[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < DIM - k * BK
+            mask_mk = mask_m[:, None] & mask_k[None, :]
+            mask_kn = mask_k[:, None] & mask_n[None, :]
+            a = tl.load(a_ptrs, mask=mask_mk, other=0.0, cache_modifier=".cg")
+            dy = tl.load(a_ptrs + DIM, mask=mask_mk, other=0.0, cache_modifier=".cg")
+            b1 = tl.load(b1_ptrs, mask=mask_kn, other=0.0)
+            b3 = tl.load(b3_ptrs, mask=mask_kn, other=0.0)
+            b2 = tl.load(b2_ptrs, mask=mask_kn, other=0.0)
+        # TorchTitan's (v.float() * s).to(v.dtype): x rows before the experts, dOut rows after.
+        if SCORE_BEFORE:
+            a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
+        else:
+            dy = (dy.to(tl.float32) * score[:, None]).to(dy.dtype)
         acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
         acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
         acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
+        a_ptrs += BK
+        b1_ptrs += BK
+        b3_ptrs += BK
+        b2_ptrs += BK * HIDDEN
     # Rounding as torch autograd of TorchTitan's expert: every GEMM output and
     # every elementwise result in the activation dtype, math in fp32.
     out_ty = h.dtype.element_ty
@@ -349,30 +364,40 @@ def grad_input_tile(
     PRECISION: tl.constexpr,
 ):
     """dA (and the score-gradient partial) of slots ``m0..m1``, columns
-    ``n0..n0+BN`` of D, sent to each row's source with one release arrival."""
+    ``n0..n0+BN`` of D, sent to each row's source with one release arrival.
+    Two K-loops over H, one accumulator each (fewer live registers than one
+    loop with two): dA = dh1 @ w1 + dh3 @ w3, then (scores after the experts)
+    y = h @ w2^T for the partial ``<dOut, y>``."""
+    EVEN_K: tl.constexpr = HIDDEN % BK == 0
+    EVEN_N: tl.constexpr = DIM % BN == 0
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < DIM
     offs_k = tl.arange(0, BK)
+    g_ptrs = offs_m[:, None].to(tl.int64) * HIDDEN + offs_k[None, :]
+    b_ptrs = offs_k[:, None].to(tl.int64) * DIM + offs_n[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_y = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BK):
-        cols = k0 + offs_k
-        mask_k = cols < HIDDEN
-        mask_mk = mask_m[:, None] & mask_k[None, :]
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        at = offs_m[:, None].to(tl.int64) * HIDDEN + cols[None, :]
-        g1 = tl.load(dh1 + at, mask=mask_mk, other=0.0)
-        g3 = tl.load(dh3 + at, mask=mask_mk, other=0.0)
-        b1 = tl.load(w1 + cols[:, None].to(tl.int64) * DIM + offs_n[None, :], mask=mask_kn, other=0.0)
-        b3 = tl.load(w3 + cols[:, None].to(tl.int64) * DIM + offs_n[None, :], mask=mask_kn, other=0.0)
+    for k in range(0, tl.cdiv(HIDDEN, BK)):
+        if EVEN_K:
+            g1 = tl.load(dh1 + g_ptrs, mask=mask_m[:, None], other=0.0)
+            g3 = tl.load(dh3 + g_ptrs, mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                b1 = tl.load(w1 + b_ptrs)
+                b3 = tl.load(w3 + b_ptrs)
+            else:
+                b1 = tl.load(w1 + b_ptrs, mask=mask_n[None, :], other=0.0)
+                b3 = tl.load(w3 + b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < HIDDEN - k * BK
+            g1 = tl.load(dh1 + g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            g3 = tl.load(dh3 + g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b1 = tl.load(w1 + b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            b3 = tl.load(w3 + b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(g1, b1, acc, input_precision=PRECISION)
         acc = tl.dot(g3, b3, acc, input_precision=PRECISION)
-        if not SCORE_BEFORE:
-            hh = tl.load(h + at, mask=mask_mk, other=0.0)
-            b2 = tl.load(w2 + offs_n[None, :].to(tl.int64) * HIDDEN + cols[:, None], mask=mask_kn, other=0.0)
-            acc_y = tl.dot(hh, b2, acc_y, input_precision=PRECISION)
+        g_ptrs += BK
+        b_ptrs += BK * DIM
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     per_rank = token_capacity * TOP_K
     source = copy_id // per_rank
@@ -383,6 +408,23 @@ def grad_input_tile(
     tl.store(returned[:, None] + row[:, None] * (2 * DIM) + offs_n[None, :], acc.to(out_ty), mask=mask)
     if not SCORE_BEFORE:
         # ds[t, k] = <dOut[t], y[t, k]>: this column block's share, y rounded as the forward's.
+        h_ptrs = offs_m[:, None].to(tl.int64) * HIDDEN + offs_k[None, :]
+        b2_ptrs = w2 + offs_n[None, :].to(tl.int64) * HIDDEN + offs_k[:, None]
+        acc_y = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(HIDDEN, BK)):
+            if EVEN_K:
+                hh = tl.load(h + h_ptrs, mask=mask_m[:, None], other=0.0)
+                if EVEN_N:
+                    b2 = tl.load(b2_ptrs)
+                else:
+                    b2 = tl.load(b2_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = offs_k < HIDDEN - k * BK
+                hh = tl.load(h + h_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_y = tl.dot(hh, b2, acc_y, input_precision=PRECISION)
+            h_ptrs += BK
+            b2_ptrs += BK
         y = acc_y.to(out_ty).to(tl.float32)
         token_row = (copy_id // TOP_K).to(tl.int64)
         g = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_n[None, :], mask=mask, other=0.0,
@@ -396,24 +438,82 @@ def grad_input_tile(
 
 
 @triton.jit
+def _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score, dh1, dh3, offs_h, mask_h, offs_d,
+                  mask_d, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+                  SCORE_BEFORE: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """acc1 += dh1[m0:m0+BR, h]^T a[m0:m0+BR, d] (acc3 alike with dh3), rows below ``hi``."""
+    offs_m = m0 + offs_r
+    mask_m = offs_m < hi
+    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+    token_row = (copy_id // TOP_K).to(tl.int64)
+    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+    if EVEN:
+        a = tl.load(tokens + token_row[:, None] * (2 * DIM) + offs_d[None, :], mask=mask_m[:, None], other=0.0,
+                    cache_modifier=".cg")
+        g1 = tl.load(dh1 + at, mask=mask_m[:, None], other=0.0)
+        g3 = tl.load(dh3 + at, mask=mask_m[:, None], other=0.0)
+    else:
+        a = tl.load(tokens + token_row[:, None] * (2 * DIM) + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+        g1 = tl.load(dh1 + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
+        g3 = tl.load(dh3 + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
+    if SCORE_BEFORE:
+        score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+        a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
+    acc1 = tl.dot(tl.trans(g1), a, acc1, input_precision=PRECISION)
+    acc3 = tl.dot(tl.trans(g3), a, acc3, input_precision=PRECISION)
+    return acc1, acc3
+
+
+@triton.jit
+def _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, hp, offs_h, mask_h, offs_d, mask_d,
+                 DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
+                 EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += dY[m0:m0+BR, d]^T h[m0:m0+BR, h], rows below ``hi``."""
+    offs_m = m0 + offs_r
+    mask_m = offs_m < hi
+    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+    token_row = (copy_id // TOP_K).to(tl.int64)
+    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+    if EVEN:
+        dy = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_d[None, :], mask=mask_m[:, None],
+                     other=0.0, cache_modifier=".cg")
+        hh = tl.load(hp + at, mask=mask_m[:, None], other=0.0)
+    else:
+        dy = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_d[None, :],
+                     mask=mask_m[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+        hh = tl.load(hp + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
+    if not SCORE_BEFORE:
+        score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+        dy = (dy.to(tl.float32) * score[:, None]).to(dy.dtype)
+    return tl.dot(tl.trans(dy), hh, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def weight_grad_task(
     task, tasks_w13, rank_base, expert_offsets_ptr, expert_rank_stride, h_ptr, dh1_ptr, dh3_ptr, h_rank_stride,
     dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
     off_tokens, off_slot_copy, off_slot_score,
     NUM_LOCAL: tl.constexpr, NUM_EXPERTS_LOCAL: tl.constexpr, DIM: tl.constexpr, HIDDEN: tl.constexpr,
-    TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, WB: tl.constexpr, PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr, BR: tl.constexpr,
+    WG: tl.constexpr, WSTAGES: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One (rank, expert, WB x WB output block) of dW1 and dW3 (tasks below
-    ``tasks_w13``) or of dW2, accumulated over every row of the expert in
-    slot order."""
+    """One (rank, expert, H block of ``WH``, ``WG`` consecutive D blocks of
+    ``WD``) of dW1 and dW3 (tasks below ``tasks_w13``) or of dW2, each output
+    block accumulated over every row of the expert in slot order, ``BR`` rows
+    a step (a software-pipelined loop on the GPU; the interpreter, which
+    cannot run a loop with loaded bounds, runs the same steps in a while
+    loop)."""
+    EVEN: tl.constexpr = (HIDDEN % WH == 0) & (DIM % WD == 0)
     local = task % NUM_LOCAL
     rank = rank_base + local
     rank_task = task // NUM_LOCAL
     is_w13 = rank_task < tasks_w13
     rank_task = tl.where(is_w13, rank_task, rank_task - tasks_w13)
-    hb = tl.cdiv(HIDDEN, WB)
-    db = tl.cdiv(DIM, WB)
-    per_expert = hb * db
+    hb = tl.cdiv(HIDDEN, WH)
+    db = tl.cdiv(DIM, WD)
+    dgroups = tl.cdiv(db, WG)
+    per_expert = hb * dgroups
     expert = rank_task // per_expert
     block = rank_task % per_expert
     lo = tl.load(expert_offsets_ptr + local * expert_rank_stride + expert)
@@ -423,54 +523,53 @@ def weight_grad_task(
     slot_score = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score)
     hidden_at = local.to(tl.int64) * h_rank_stride
     weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
-    offs_r = tl.arange(0, BM)
-    if is_w13:
-        # dW1[e][h, d] = sum_m dh1[m, h] a[m, d] (dW3 alike): out (H, D).
-        offs_h = (block // db) * WB + tl.arange(0, WB)
-        offs_d = (block % db) * WB + tl.arange(0, WB)
-        mask_h = offs_h < HIDDEN
-        mask_d = offs_d < DIM
-        acc1 = tl.zeros((WB, WB), dtype=tl.float32)
-        acc3 = tl.zeros((WB, WB), dtype=tl.float32)
-        m0 = lo
-        while m0 < hi:
-            offs_m = m0 + offs_r
-            mask_m = offs_m < hi
-            copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
-            token_row = (copy_id // TOP_K).to(tl.int64)
-            a = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, 0, offs_d, mask_d, True,
-                                SCORE_BEFORE, 2 * DIM)
-            at = hidden_at + offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-            g1 = tl.load(dh1_ptr + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-            g3 = tl.load(dh3_ptr + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-            acc1 = tl.dot(tl.trans(g1), a, acc1, input_precision=PRECISION)
-            acc3 = tl.dot(tl.trans(g3), a, acc3, input_precision=PRECISION)
-            m0 += BM
-        out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
-        mask = mask_h[:, None] & mask_d[None, :]
-        tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
-    else:
-        # dW2[e][d, h] = sum_m dY[m, d] h[m, h]: out (D, H).
-        offs_d = (block // hb) * WB + tl.arange(0, WB)
-        offs_h = (block % hb) * WB + tl.arange(0, WB)
-        mask_h = offs_h < HIDDEN
-        mask_d = offs_d < DIM
-        acc = tl.zeros((WB, WB), dtype=tl.float32)
-        m0 = lo
-        while m0 < hi:
-            offs_m = m0 + offs_r
-            mask_m = offs_m < hi
-            copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
-            token_row = (copy_id // TOP_K).to(tl.int64)
-            dy = load_token_rows(tokens, token_row, offs_m, mask_m, slot_score, DIM, offs_d, mask_d,
-                                 False, SCORE_BEFORE, 2 * DIM)
-            at = hidden_at + offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-            hh = tl.load(h_ptr + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-            acc = tl.dot(tl.trans(dy), hh, acc, input_precision=PRECISION)
-            m0 += BM
-        out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-        tl.store(dw2_ptr + out, acc.to(dw2_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_h[None, :])
+    offs_r = tl.arange(0, BR)
+    offs_h = (block // dgroups) * WH + tl.arange(0, WH)
+    mask_h = offs_h < HIDDEN
+    for j in range(0, WG):
+        d_block = (block % dgroups) * WG + j
+        if d_block < db:
+            offs_d = d_block * WD + tl.arange(0, WD)
+            mask_d = offs_d < DIM
+            if is_w13:
+                # dW1[e][h, d] = sum_m dh1[m, h] a[m, d] (dW3 alike): out (H, D).
+                acc1 = tl.zeros((WH, WD), dtype=tl.float32)
+                acc3 = tl.zeros((WH, WD), dtype=tl.float32)
+                if INTERPRET:
+                    m0 = lo
+                    while m0 < hi:
+                        acc1, acc3 = _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score,
+                                                   dh1_ptr + hidden_at, dh3_ptr + hidden_at, offs_h, mask_h,
+                                                   offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
+                                                   PRECISION)
+                        m0 += BR
+                else:
+                    for m0 in tl.range(lo, hi, BR, num_stages=WSTAGES):
+                        acc1, acc3 = _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score,
+                                                   dh1_ptr + hidden_at, dh3_ptr + hidden_at, offs_h, mask_h,
+                                                   offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
+                                                   PRECISION)
+                out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
+                mask = mask_h[:, None] & mask_d[None, :]
+                tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
+                tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
+            else:
+                # dW2[e][d, h] = sum_m dY[m, d] h[m, h]: out (D, H).
+                acc = tl.zeros((WD, WH), dtype=tl.float32)
+                if INTERPRET:
+                    m0 = lo
+                    while m0 < hi:
+                        acc = _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, h_ptr + hidden_at,
+                                           offs_h, mask_h, offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
+                                           PRECISION)
+                        m0 += BR
+                else:
+                    for m0 in tl.range(lo, hi, BR, num_stages=WSTAGES):
+                        acc = _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, h_ptr + hidden_at,
+                                           offs_h, mask_h, offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
+                                           PRECISION)
+                out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+                tl.store(dw2_ptr + out, acc.to(dw2_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_h[None, :])
 
 
 @triton.jit
@@ -585,7 +684,11 @@ def grad_input_combine_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    WB: tl.constexpr,
+    WH: tl.constexpr,
+    WD: tl.constexpr,
+    BR: tl.constexpr,
+    WG: tl.constexpr,
+    WSTAGES: tl.constexpr,
     GROUP_M: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
@@ -594,6 +697,7 @@ def grad_input_combine_kernel(
     PARTS_AT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     col_blocks = tl.cdiv(DIM, BN)
     if do_tiles != 0:
@@ -628,7 +732,7 @@ def grad_input_combine_kernel(
             task = next_task(control_ptr, _CTL_BWD_DA)
 
     if do_wgrad != 0:
-        tasks_w13 = NUM_EXPERTS_LOCAL * tl.cdiv(HIDDEN, WB) * tl.cdiv(DIM, WB)
+        tasks_w13 = NUM_EXPERTS_LOCAL * tl.cdiv(HIDDEN, WH) * tl.cdiv(tl.cdiv(DIM, WD), WG)
         total = NUM_LOCAL * 2 * tasks_w13
         task = next_task(control_ptr, _CTL_BWD_WGRAD)
         while task < total:
@@ -637,7 +741,8 @@ def grad_input_combine_kernel(
                     task, tasks_w13, rank_base, expert_offsets_ptr, expert_rank_stride, h_ptr, dh1_ptr, dh3_ptr,
                     h_rank_stride, dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor,
                     i32_anchor, f32_anchor, anchor_rank, off_tokens, off_slot_copy, off_slot_score,
-                    NUM_LOCAL, NUM_EXPERTS_LOCAL, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, WB, PRECISION,
+                    NUM_LOCAL, NUM_EXPERTS_LOCAL, DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, WG, WSTAGES,
+                    PRECISION, INTERPRET,
                 )
             task = next_task(control_ptr, _CTL_BWD_WGRAD)
 

@@ -1,0 +1,145 @@
+"""The backward megakernels compile for Hopper (sm_90) on a machine without a GPU.
+
+Same approach as test_kernels_compile.py (Triton's wheel ships ptxas): the
+whole pipeline runs here for the backward's default tiles
+(``fused_backward.backward_block_sizes`` of the default KernelConfig), and
+the checks are those a GPU-less machine can make: every GEMM loop (dH, dA,
+y, dW1/dW3, dW2) is software-pipelined (async copies into shared memory) and
+uses wgmma, ptxas' register spills stay small, shared memory fits an H200
+SM. Runs in a subprocess: TRITON_INTERPRET must be unset when a kernel is
+defined for it to be compilable.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+MAX_SPILL_BYTES = 64
+MAX_SHARED_BYTES = 227 * 1024
+
+
+def loops(ttgir: str) -> list[str]:
+    """Bodies of the innermost ``scf.for`` loops of a TTGIR listing."""
+    lines = ttgir.split("\n")
+    bodies = []
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = []
+        for other in lines[i + 1:]:
+            if other.strip().startswith("}") and len(other) - len(other.lstrip()) == indent:
+                break
+            body.append(other)
+        text = "\n".join(body)
+        if "scf.for" not in text:
+            bodies.append(text)
+    return bodies
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers, spill-store bytes) of the kernel, from the bundled ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", src + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    regs = [int(v) for v in re.findall(r"Used (\d+) registers", out)]
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", out)]
+    return max(regs), max(spills or [0])
+
+
+def compile_all() -> None:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from titan_uniep.fused_backward import backward_block_sizes
+    from titan_uniep.kernels.backward import (
+        dispatch_grad_hidden_kernel,
+        exchange_backward_counts_kernel,
+        grad_input_combine_kernel,
+    )
+    from titan_uniep.kernels.tuning import KernelConfig
+
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+    cfg = KernelConfig()
+    blocks = backward_block_sizes(cfg)
+
+    def build(fn, pointers, consts, num_warps=blocks["warps"], num_stages=blocks["stages"]):
+        # What the JIT would specialise: 16-byte aligned pointers, offsets and strides divisible by 16.
+        sig, attrs = {}, {}
+        for i, p in enumerate(fn.params):
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+                continue
+            sig[p.name] = pointer[pointers[p.name]] if p.name in pointers else (
+                "i64" if p.name.endswith("stride") else "i32")
+            if p.name in pointers or p.name.startswith("off_") or p.name.endswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        return kernel
+
+    def check(kernel, what, gemm_loops, even):
+        ttgir = kernel.asm["ttgir"]
+        assert "warp_group_dot" in ttgir, f"{what}: no wgmma"
+        regs, spills = ptxas_usage(kernel.asm["ptx"])
+        shared = kernel.metadata.shared
+        print(f"{what}: {regs} registers, {spills} B spilled, {shared} B shared memory")
+        assert spills <= MAX_SPILL_BYTES, f"{what}: ptxas spills {spills} bytes"
+        assert shared <= MAX_SHARED_BYTES, f"{what}: {shared} B of shared memory"
+        if even:
+            pipelined = [b for b in loops(ttgir) if "warp_group_dot " in b and "async_copy_global_to_local" in b]
+            assert len(pipelined) >= gemm_loops, f"{what}: {len(pipelined)} of {gemm_loops} GEMM loops pipelined"
+
+    bf, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
+    anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32)
+    ba = dict(**anchors, x_ptr=bf, g_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
+              num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
+              w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, control_ptr=i64, arena_ptrs=i64)
+    bb = dict(**anchors, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, dw1_ptr=bf, dw2_ptr=bf,
+              dw3_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
+              expert_offsets_ptr=i32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf, dx_ptr=bf, ds_ptr=f32,
+              control_ptr=i64, arena_ptrs=i64)
+    for score_before in (False, True):
+        shapes = ((2048, 768, True), (96, 80, False)) + (((7168, 2048, True),) if not score_before else ())
+        for dim, hidden, even in shapes:
+            shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
+                         USE_TIMER=True, GROUP_M=cfg.group_m, BM=cfg.block_m, BK=blocks["bk"], KP=8)
+            what = f"D={dim} H={hidden} scores {'before' if score_before else 'after'}"
+            kernel = build(dispatch_grad_hidden_kernel, ba, dict(NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16,
+                                                                  BD=512, **shape))
+            check(kernel, f"BA (dispatch + dH) {what}", 1, even)
+            kernel = build(grad_input_combine_kernel, bb, dict(
+                NUM_LOCAL=1, NUM_EXPERTS_LOCAL=64, BN=blocks["da"], WH=blocks["wgrad_h"], WD=blocks["wgrad_d"],
+                BR=blocks["wgrad_rows"], WG=blocks["wgrad_group"], WSTAGES=blocks["stages"], BT=16, BD=256,
+                RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, INTERPRET=False, **shape))
+            # dA, dW1/dW3, dW2, and y when scores come after the experts.
+            check(kernel, f"BB (dA + wgrad + reduce) {what}", 3 if score_before else 4, even)
+    build(exchange_backward_counts_kernel, dict(counts_ptr=i64, counts_all_ptr=i64, control_ptr=i64, arena_ptrs=i64,
+                                                i64_anchor=i64, i32_anchor=i32),
+          dict(WORLD=2, NUM_EXPERTS=128, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
+               BLOCK=1024, USE_TIMER=True), num_warps=4)
+    print("COMPILED OK")
+
+
+def test_backward_megakernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "COMPILED OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    compile_all()
