@@ -7,6 +7,7 @@ tests skip themselves and this test runs them in a subprocess instead.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,4 @@ def test_backward_tests_in_a_fresh_interpreter_process():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert re.search(r"\b[1-9]\d* passed", proc.stdout) and " skipped" not in proc.stdout, proc.stdout[-3000:]

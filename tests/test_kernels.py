@@ -86,7 +86,7 @@ def assert_correct(world_inputs, sequential, fused, *, score_before):
         torch.testing.assert_close(fus, layout_ref[r], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} vs layout ref: {m}")
 
 
-@pytest.mark.parametrize("combine", ["direct", "staged"])
+@pytest.mark.parametrize("combine", ["direct", "staged", "presum"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (2, 8, 3, [13, 9]),
@@ -117,9 +117,10 @@ def test_staged_direct_and_deferred_release_combine_give_the_same_bits():
             assert torch.equal(a, b), key
 
 
+@pytest.mark.parametrize("presum", [False, True], ids=["direct_or_staged", "presum"])
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing", "rank_with_no_tokens",
                                   "one_local_expert"])
-def test_fused_matches_sequential_bitwise_under_edge_routing(case):
+def test_fused_matches_sequential_bitwise_under_edge_routing(case, presum):
     if case == "skewed_one_expert":  # every token picks expert 5: one expert gets many tiles
         w = make_world(2, 8, 3, [21, 17], seed=11, force=5)
     elif case == "empty_experts":  # odd experts never picked
@@ -132,8 +133,35 @@ def test_fused_matches_sequential_bitwise_under_edge_routing(case):
         w = make_world(2, 2, 2, [9, 5], seed=15)
     score_before = case in ("empty_experts", "one_local_expert")
     combine = "staged" if case in ("skewed_one_expert", "rank_with_no_tokens") else "direct"
+    combine = "presum" if presum else combine
     seq, fus = run_both(w, score_before=score_before, config=interpreter_config(combine=combine))
     assert_correct(w, seq, fus, score_before=score_before)
+
+
+def test_presum_combine_is_close_to_direct_and_bitwise_across_schedules_and_calls():
+    """The presum combine sums per expert rank first (another rounding than
+    the direct combine), but both schedules share it bit for bit, also when
+    one workspace serves both combine modes."""
+    w = make_world(2, 8, 4, [12, 9], seed=71)
+    config = interpreter_config(combine="presum")
+    ws = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=4, dtype=torch.float32,
+                             config=config)
+    seq, fus = run_both(w, score_before=False, workspace=ws, config=config)
+    assert_correct(w, seq, fus, score_before=False)
+    direct = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                   schedule="fused", score_before_experts=False, workspace=ws,
+                                   config=config.replace(combine="direct"))
+    for a, b in zip(direct, fus):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    again = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                  schedule="fused", score_before_experts=False, workspace=ws, config=config)
+    for a, b in zip(again, fus):
+        assert torch.equal(a, b)
+    small = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=4,
+                                dtype=torch.float32, config=config.replace(combine="direct"))
+    with pytest.raises(ValueError, match="presum"):
+        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                              score_before_experts=False, workspace=small, config=config)
 
 
 def test_workspace_reuse_across_calls_with_new_routing():
@@ -198,9 +226,16 @@ def test_memory_report_follows_the_documented_formula():
     assert sizes["total"] == sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"] + sizes["route"]
     staged = memory_bytes(WorkspaceShape(**{**shape.__dict__, "staged_combine": True}))
     assert staged["y"] == slots * 2048 * 2 and staged["total"] == sizes["total"] + staged["y"]
+    presum = memory_bytes(WorkspaceShape(**{**shape.__dict__, "presum_combine": True}))
+    assert presum["y"] == staged["y"]
+    assert presum["token_slots"] == presum["token_tiles"] == 4 * 2 * 8192 * 8
+    assert presum["partials"] == 4 * 8192 * 2 * 2048
+    assert sizes["token_slots"] == sizes["token_tiles"] == sizes["partials"] == 0
+    assert presum["arena"] == sizes["arena"] - 3 * 256 + presum["partials"] + 2 * presum["token_slots"]
 
 
-def test_per_rank_launches_match_the_simulated_world():
+@pytest.mark.parametrize("combine", ["staged", "presum"])
+def test_per_rank_launches_match_the_simulated_world(combine):
     """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
     by rank in producer-first order on shared simulated arenas, gives the same
     bits as the whole-world launch."""
@@ -208,7 +243,7 @@ def test_per_rank_launches_match_the_simulated_world():
 
     from titan_uniep import fused
 
-    world, cfg = 2, interpreter_config(combine="staged")
+    world, cfg = 2, interpreter_config(combine=combine)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     ws = Workspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                              dtype=torch.float32, config=cfg)
@@ -297,3 +332,15 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
         assert torch.equal(ws.tile_start[r], tiles.tile_start), f"rank {r}: tile_start"
         assert torch.equal(ws.tile_end[r], tiles.tile_end), f"rank {r}: tile_end"
         assert torch.equal(ws.num_tiles[r:r + 1], tiles.num_tiles), f"rank {r}: num_tiles"
+
+
+def test_default_config_per_shape_choice():
+    """EP-size default, plus every program dispatching first for small expert
+    hidden dims (a runtime knob: same compiled kernels, same bits)."""
+    from titan_uniep.kernels import default_config
+    from titan_uniep.kernels.tuning import DISPATCH_FIRST_COMM_SMS
+
+    base = default_config(2)
+    assert base.combine == "direct" and base.num_comm_sms == 16
+    assert default_config(2, hidden=2048) == base and default_config(2, hidden=14336) == base
+    assert default_config(2, hidden=768) == base.replace(num_comm_sms=DISPATCH_FIRST_COMM_SMS)

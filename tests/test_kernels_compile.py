@@ -49,18 +49,21 @@ def compile_all() -> None:
                   num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
                   w1_ptr=bf, w3_ptr=bf, h_ptr=bf, control_ptr=i64, arena_ptrs=i64)
     b_ptrs = dict(**anchors, y_ptr=bf, h_ptr=bf, w2_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-                  scores_ptr=f32, num_tokens_ptr=i32, out_ptr=bf, control_ptr=i64, arena_ptrs=i64)
+                  scores_ptr=f32, num_tokens_ptr=i32, out_ptr=bf, control_ptr=i64, arena_ptrs=i64, dest_rank_ptr=i32)
     for score_before in (False, True):
         for dim, hidden, even in ((2048, 768, True), (96, 80, False)):
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, EVEN_K=even, EVEN_N=even,
                          PRECISION="tf32", USE_TIMER=True, GROUP_M=8, BK=64, BT=16, BM=128)
-            ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=2, BN=128, BD=512, KP=8, **shape))
-            assert "warp_group_dot" in ttgir, "fc1 does not use wgmma"
-            if even:
-                assert "async_copy_global_to_local" in ttgir, "fc1 K-loop is not pipelined"
-            for staged in (False, True):
+            for presum in (False, True):
+                ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=2, BN=128, BD=512, KP=8,
+                                                                PRESUM=presum, **shape))
+                assert "warp_group_dot" in ttgir, "fc1 does not use wgmma"
+                if even:
+                    assert "async_copy_global_to_local" in ttgir, "fc1 K-loop is not pipelined"
+            for staged, presum in ((False, False), (True, False), (False, True)):
                 ttgir = build(fc2_combine_kernel, b_ptrs, dict(NUM_LOCAL=2, BN=256, BD=256, STAGED=staged,
-                                                               DEFER_RELEASE=not staged, **shape))
+                                                               DEFER_RELEASE=not (staged or presum), PRESUM=presum,
+                                                               WORLD=2, KP=8, **shape))
                 assert "warp_group_dot" in ttgir, "fc2 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc2 K-loop is not pipelined"

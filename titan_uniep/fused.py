@@ -46,7 +46,7 @@ from .kernels.dispatch_fc1 import dispatch_fc1_kernel
 from .kernels.fc2_combine import fc2_combine_kernel
 from .kernels.route import route_block, route_histogram_kernel, route_layout_kernel
 from .kernels.sync import exchange_counts_kernel
-from .kernels.tuning import KernelConfig
+from .kernels.tuning import KernelConfig, default_config
 from .layout import RouteLayout, token_destinations
 from .symm import Workspace
 
@@ -95,13 +95,18 @@ def moe_forward(
 
     Every rank of ``workspace``'s group must call it, in the same order of
     layers, also with ``T = 0``. Shapes: see the module docstring. ``out``:
-    optional preallocated ``(T, D)`` output. ``error_check``: ``"sync"``
+    optional preallocated ``(T, D)`` output. ``config``: default the
+    workspace's; when that is the EP-size default, the per-shape choice of
+    ``kernels.tuning.default_config(ep, hidden=H)`` (same bits, other timing). ``error_check``: ``"sync"``
     (check the error record after the launches; a host sync) or ``"lazy"``
     (poll without syncing, see ``Workspace.poll_errors``); default lazy for
     ``"fused"``, sync for ``"sequential"``.
     """
     if workspace.is_simulated:
         raise ValueError("moe_forward needs a Workspace.for_group workspace; use simulated_moe_forward otherwise")
+    if config is None and workspace.config == default_config(workspace.world_size):
+        # The per-shape choice of kernels.tuning (a runtime knob: no recompile, same bits).
+        config = default_config(workspace.world_size, hidden=workspace.shape.hidden)
     cfg = _config(workspace, config)
     _check_schedule(schedule)
     check = error_check or ("lazy" if schedule == "fused" else "sync")
@@ -365,22 +370,25 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
             call.dest_rank.stride(0), call.num_tokens, call.tile_expert, call.tile_start, call.tile_end,
             call.tile_expert.stride(0), call.num_tiles, call.w1, call.w3, call.w1.stride(0),
             ws.h, ws.h.stride(0), ws.control, ws.arena_ptrs, act, i32, f32, ws.anchor_rank,
-            off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
-            ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
+            off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"], off["token_slots"],
+            off["token_tiles"], ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
             do_dispatch, do_fc1, dispatch_programs, cfg.debug_silent_rank, timeout,
             NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=cfg.block_n_fc1, BK=cfg.block_k, GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(s.top_k),
             EVEN_K=s.dim % cfg.block_k == 0, EVEN_N=s.hidden % cfg.block_n_fc1 == 0, PRECISION=precision,
-            USE_TIMER=use_timer, **launch_opts,
+            USE_TIMER=use_timer, PRESUM=presum, **launch_opts,
         )
 
     staged = cfg.combine == "staged"
-    if staged and ws.y is None:
+    presum = cfg.combine == "presum"
+    if (staged and ws.y is None) or (presum and not s.presum_combine):
         raise ValueError(
-            "KernelConfig.combine='staged' needs a workspace built with it (it allocates the fc2 staging buffer y)"
+            f"KernelConfig.combine={cfg.combine!r} needs a workspace built with it (it allocates the fc2 output "
+            "buffer y, and for 'presum' the partials / token_slots / token_tiles arena buffers); a workspace built "
+            "with combine='presum' serves every combine mode"
         )
-    y = ws.y if staged else ws.h  # never read unless staged
+    y = ws.y if (staged or presum) else ws.h  # never read unless staged / presum
 
     def megakernel_b(do_fc2: int, do_send: int, do_reduce: int, send_programs: int) -> None:
         fc2_combine_kernel[grid](
@@ -388,12 +396,14 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
             call.tile_expert.stride(0), call.num_tiles, call.scores, call.scores.stride(0), call.num_tokens,
             call.out, call.out.stride(0), ws.control, ws.arena_ptrs, act, i32, ws.anchor_rank,
             off["slot_copy"], off["returned"], off["token_arrivals"], off["tile_done"], y, y.stride(0),
+            call.dest_rank, f32, off["slot_score"], off["token_slots"], off["token_tiles"], off["partials"],
             ws.rank_base, s.token_capacity, s.slot_capacity, do_fc2, do_send, do_reduce, send_programs, timeout,
             NUM_LOCAL=ws.num_local_ranks, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=cfg.block_n_fc2, BK=cfg.block_k, GROUP_M=cfg.group_m,
             BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
             EVEN_K=s.hidden % cfg.block_k == 0, EVEN_N=s.dim % cfg.block_n_fc2 == 0, PRECISION=precision,
-            USE_TIMER=use_timer, STAGED=staged, DEFER_RELEASE=cfg.defer_release and not staged, **launch_opts,
+            USE_TIMER=use_timer, STAGED=staged, DEFER_RELEASE=cfg.defer_release and cfg.combine == "direct",
+            PRESUM=presum, WORLD=s.world_size, KP=triton.next_power_of_2(s.top_k), **launch_opts,
         )
 
     for phase in phases:
@@ -404,11 +414,11 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
         elif phase == "fc1":
             megakernel_a(0, 1, 0)
         elif phase == "fc2+send+reduce":
-            megakernel_b(1, 1, 1, cfg.num_combine_sms)
+            megakernel_b(1, 1, 1, cfg.num_combine_sms if staged else 0)
         elif phase == "fc2":
             megakernel_b(1, 0, 0, 0)
         elif phase == "send":
-            if staged:
+            if staged or presum:
                 megakernel_b(0, 1, 0, 0)
         elif phase == "reduce":
             megakernel_b(0, 0, 1, 0)

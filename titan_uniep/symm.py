@@ -22,11 +22,16 @@ token_arrivals     4 * T              fc2 / send (release), reduce waits
 tile_done          4 * C              fc2 (staged combine), send waits
 counts             2 * W * E * 8      counts exchange (two epochs' tables)
 count_flags        2 * W * 8          counts exchange (epoch of each table)
+token_slots        4 * W * T * K      dispatch (copy id -> slot here, or -1;
+                                      presum combine only, else 0)
+token_tiles        4 * W * T * K      dispatch (copy id -> tile here; presum)
+partials           4 * T * W * D      presum tasks (fp32 partial of token t
+                                      from expert rank r at row t * W + r)
 =================  =================  =====================================
 
 each rounded up to 256 bytes. Local (not symmetric) per rank: ``h``
-``S * H * b`` (fc1 output), ``y`` ``S * D * b`` (fc2 output, staged combine
-only), the exchanged ``counts_all`` ``W * E * 8``, ``CONTROL_WORDS * 8`` of
+``S * H * b`` (fc1 output), ``y`` ``S * D * b`` (fc2 output, staged or
+presum combine only), the exchanged ``counts_all`` ``W * E * 8``, ``CONTROL_WORDS * 8`` of
 control words (task counters, epoch, error record), and the current call's
 layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
 ``block_counts`` ``(NB, E)`` with ``NB = ceil(T * K / route_block(E))``,
@@ -87,6 +92,7 @@ ARENA_DTYPES = {
     "tokens": None, "slot_copy": torch.int32, "slot_score": torch.float32, "tile_arrivals": torch.int32,
     "returned": None, "token_arrivals": torch.int32, "tile_done": torch.int32, "counts": torch.int64,
     "count_flags": torch.int64,
+    "token_slots": torch.int32, "token_tiles": torch.int32, "partials": torch.float32,
 }
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -105,6 +111,7 @@ class WorkspaceShape:
     dtype: torch.dtype
     block_m: int
     staged_combine: bool = False
+    presum_combine: bool = False
 
     @property
     def num_local_experts(self) -> int:
@@ -117,6 +124,11 @@ class WorkspaceShape:
     @property
     def tile_capacity(self) -> int:
         return tile_capacity(self.slot_capacity, self.num_local_experts, self.block_m)
+
+    @property
+    def needs_y(self) -> bool:
+        """Whether fc2 writes its output locally (``y``) before it is combined."""
+        return self.staged_combine or self.presum_combine
 
     @property
     def elem_size(self) -> int:
@@ -135,6 +147,10 @@ class WorkspaceShape:
             "tile_done": 4 * c,
             "counts": 2 * w * e * 8,
             "count_flags": 2 * w * 8,
+            # Presum combine only (appended: the other offsets do not depend on it).
+            "token_slots": 4 * w * t * k if self.presum_combine else 0,
+            "token_tiles": 4 * w * t * k if self.presum_combine else 0,
+            "partials": 4 * t * w * d if self.presum_combine else 0,
         }
 
     def arena_offsets(self) -> tuple[dict[str, int], int]:
@@ -154,7 +170,7 @@ def memory_bytes(shape: WorkspaceShape) -> dict[str, int]:
     sizes = dict(shape.arena_sizes())
     sizes["arena"] = shape.arena_offsets()[1]
     sizes["h"] = shape.slot_capacity * shape.hidden * shape.elem_size
-    sizes["y"] = shape.slot_capacity * shape.dim * shape.elem_size if shape.staged_combine else 0
+    sizes["y"] = shape.slot_capacity * shape.dim * shape.elem_size if shape.needs_y else 0
     sizes["counts_all"] = shape.world_size * shape.num_experts * 8
     sizes["control"] = CONTROL_WORDS * 8
     t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
@@ -172,7 +188,7 @@ _WHAT = {
     WAIT_COUNTS_FLAG: "the counts exchange, waiting for rank {index}'s per-expert counts (count_flags[{index}])",
     WAIT_TILE_ROWS: "megakernel A (fc1), waiting for the dispatched rows of tile {index} (tile_arrivals[{index}])",
     WAIT_TOKEN_ROWS: "megakernel B (combine), waiting for token {index}'s expert outputs (token_arrivals[{index}])",
-    WAIT_TILE_DONE: "megakernel B (combine send), waiting for fc2 of tile {index} (tile_done[{index}])",
+    WAIT_TILE_DONE: "megakernel B (combine send / presum), waiting for fc2 of tile {index} (tile_done[{index}])",
     BAD_SLOT: "megakernel A (dispatch): token {index} has a copy whose slot is outside the receive buffer "
     "(a token routed to the same expert twice, or a corrupted counts table)",
 }
@@ -218,7 +234,7 @@ class Workspace:
         world_size = dist.get_world_size(group)
         config = config or default_config(world_size)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, config.block_m,
-                               config.combine == "staged")
+                               config.combine == "staged", config.combine == "presum")
         return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, config=config,
                    group=group)
 
@@ -230,7 +246,7 @@ class Workspace:
         the whole world)."""
         config = config or default_config(world_size)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, config.block_m,
-                               config.combine == "staged")
+                               config.combine == "staged", config.combine == "presum")
         return cls(shape=shape, rank_base=0, num_local_ranks=world_size, device=torch.device(device),
                    config=config, group=None)
 
@@ -269,7 +285,7 @@ class Workspace:
         }
         self.h = torch.empty(n, shape.slot_capacity, shape.hidden, dtype=shape.dtype, device=dev)
         self.y = (torch.empty(n, shape.slot_capacity, shape.dim, dtype=shape.dtype, device=dev)
-                  if shape.staged_combine else None)
+                  if shape.needs_y else None)
         self.counts_all = torch.zeros(n, shape.world_size, shape.num_experts, dtype=torch.int64, device=dev)
         # The layout of the current call, written by the route kernels (kernels.route), read by the megakernels.
         t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
@@ -323,6 +339,9 @@ class Workspace:
             self.arena_view(local, "tokens", s.dtype, (s.world_size * s.token_capacity, s.dim)).fill_(float("nan"))
             self.arena_view(local, "returned", s.dtype, (s.token_capacity * s.top_k, s.dim)).fill_(float("nan"))
             self.arena_view(local, "slot_score", torch.float32, (s.slot_capacity,)).fill_(float("nan"))
+            if s.presum_combine:
+                self.arena_view(local, "partials", torch.float32, (s.token_capacity * s.world_size, s.dim)).fill_(
+                    float("nan"))
         self.h.fill_(float("nan"))
         if self.y is not None:
             self.y.fill_(float("nan"))

@@ -26,3 +26,8 @@ timeout "$BENCH_S" python3 -m torch.distributed.run --standalone --nproc_per_nod
     --shapes "${SHAPES:-qwen3,deepseek,mixtral}" --routing "${ROUTING:-balanced}" --check \
     --warmup "${WARMUP:-3}" --reps "${REPS:-10}" ${BENCH_EXTRA:-} --json-out "$OUT/bench.jsonl" > "$OUT/bench.log" 2>&1; echo "bench exit $?"
 grep -E "^\||JSON|Error|error|Traceback" "$OUT/bench.log" | cut -c1-2500 | tail -30
+if [ -n "${AB_S:-}" ]; then
+    echo "== A/B of kernel configs (tests/gpu/ab_configs.py)"
+    timeout "$AB_S" python3 -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/ab_configs.py \
+        --shapes "${SHAPES:-qwen3,deepseek,mixtral}" > "$OUT/ab.log" 2>&1; echo "ab exit $?"; grep -E "^AB|Error|Traceback" "$OUT/ab.log"
+fi

@@ -66,7 +66,7 @@ def check_world(w, *, score_before, config=None, workspace=None):
         torch.testing.assert_close(fus.float(), layout_ref[r].float(), rtol=2e-2, atol=1e-2 * scale)
 
 
-@pytest.mark.parametrize("combine", ["direct", "staged"])
+@pytest.mark.parametrize("combine", ["direct", "staged", "presum"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (2, 16, 4, [700, 513]),

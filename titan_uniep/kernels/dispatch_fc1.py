@@ -93,9 +93,10 @@ def dispatch_task(
     task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
     x_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
     arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals, off_token_slots, off_token_tiles,
     token_capacity, slot_capacity, tile_capacity, silent_rank,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr,
+    PRESUM: tl.constexpr,
 ):
     local = task // tasks_per_rank
     rank = rank_base + local
@@ -127,6 +128,18 @@ def dispatch_task(
         tl.store(slot_copy + slot, copy_id.to(tl.int32), mask=ok)
         score = tl.load(scores_ptr + route, mask=mask_tk, other=0.0)
         tl.store(arena_ptr(f32_anchor, arena_ptrs, anchor_rank, peer, off_slot_score) + slot, score, mask=ok)
+        if PRESUM:
+            # Presum combine: every rank a token goes to learns, per k, the slot
+            # (and tile) of the token's copy there, or -1: all K entries of a
+            # token are written this call, before its arrivals are released.
+            for p in range(WORLD):
+                here = dest == p
+                goes_there = tl.max(tl.where(here, 1, 0), axis=1) > 0
+                entry = mask_tk & goes_there[:, None]
+                token_slots = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, p, off_token_slots)
+                tl.store(token_slots + copy_id, tl.where(here & fits, slot, -1), mask=entry)
+                token_tiles = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, p, off_token_tiles)
+                tl.store(token_tiles + copy_id, tl.where(here & fits, tile, -1), mask=entry)
         # Every thread's row and slot stores before any arrival is released.
         tl.debug_barrier()
         tile_arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, peer, off_tile_arrivals)
@@ -220,6 +233,8 @@ def dispatch_fc1_kernel(
     off_slot_copy,
     off_slot_score,
     off_tile_arrivals,
+    off_token_slots,
+    off_token_tiles,
     rank_base,
     token_capacity,
     slot_capacity,
@@ -246,6 +261,7 @@ def dispatch_fc1_kernel(
     EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    PRESUM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if (do_dispatch != 0) & (pid < num_dispatch_programs):
@@ -260,9 +276,9 @@ def dispatch_fc1_kernel(
                 task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
                 x_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
                 arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-                off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+                off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals, off_token_slots, off_token_tiles,
                 token_capacity, slot_capacity, tile_capacity, silent_rank,
-                WORLD, DIM, TOP_K, BT, BD, KP,
+                WORLD, DIM, TOP_K, BT, BD, KP, PRESUM,
             )
             task = next_task(control_ptr, _CTL_DISPATCH_TASKS)
 

@@ -28,7 +28,19 @@ Tasks, claimed from atomic counters by a persistent grid:
    k = 0..K-1, with ``w_k`` the router score (scores after the experts) or 1
    (scores before), stored in the activation dtype.
 
-Sequential schedule: the same kernel launched twice (fc2 tasks, then reduce
+Combine ``"presum"`` (``PRESUM``): the fc2 tile goes to this rank's ``y`` and
+bumps ``tile_done`` as in the staged combine. 1c. Presum task (``BT`` slots of
+one tile, on the expert rank): a slot whose copy ``(s, t, k)`` is the first of
+token ``t``'s copies on this rank (``token_slots``, written by the dispatch)
+waits for the fc2 tiles of all the token's copies here, sums their rows in
+fp32 in the fixed order k = 0..K-1 with the router scores (or 1), stores the
+fp32 partial at the source's ``partials[t * W + r]`` and releases one arrival
+on its ``token_arrivals[t]``. 2'. The reduce then waits, per token, for one
+arrival per rank the token went to and sums the partials in rank order
+0..W-1 in fp32. One row per (token, rank) crosses NVLink instead of one per
+copy; the rounding differs from ``direct``/``staged`` (partials per rank).
+
+Sequential schedule: the same kernel launched three times (fc2 tasks, then reduce
 tasks); bitwise identical results.
 """
 
@@ -158,6 +170,126 @@ def send_task(
 
 
 @triton.jit
+def presum_task(
+    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
+    y_ptr, y_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_slot_copy, off_slot_score,
+    off_token_arrivals, off_tile_done, off_token_slots, off_token_tiles, off_partials,
+    token_capacity, slot_capacity, col_blocks, timeout,
+    NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+    SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    """Presum combine: sum the same-rank rows of the tokens whose first copy
+    here lies in ``BT`` slots of one tile; send one fp32 partial per token."""
+    chunks: tl.constexpr = BM // BT
+    local = task % NUM_LOCAL
+    tile = (task // NUM_LOCAL) // chunks
+    chunk = (task // NUM_LOCAL) % chunks
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    if (tile < tl.load(num_tiles_ptr + local)) & (has_failed(control) == 0):
+        m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
+        m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
+        offs_m = m0 + chunk * BT + tl.arange(0, BT)
+        mask_m = (offs_m < m1) & (m1 <= slot_capacity)
+        slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
+        copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+        k_self = copy_id % TOP_K
+        base = (copy_id - k_self).to(tl.int64)
+        offs_k = tl.arange(0, KP)
+        mask_mk = mask_m[:, None] & (offs_k < TOP_K)[None, :]
+        token_slots = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_slots)
+        token_tiles = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_tiles)
+        slots = tl.load(token_slots + base[:, None] + offs_k[None, :], mask=mask_mk, other=-1, cache_modifier=".cg")
+        tiles = tl.load(token_tiles + base[:, None] + offs_k[None, :], mask=mask_mk, other=-1, cache_modifier=".cg")
+        earlier = tl.sum(tl.where((offs_k[None, :] < k_self[:, None]) & (slots >= 0), 1, 0), axis=1)
+        lead = mask_m & (earlier == 0)
+        # One bounded wait over the fc2 tiles of every lead token's copies here.
+        tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done)
+        wait = lead[:, None] & (tiles >= 0)
+        seen = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks, timeout, USE_TIMER)
+        short = wait & (seen < col_blocks)
+        if tl.max(tl.max(short.to(tl.int32), axis=1), axis=0) > 0:
+            first = tl.min(tl.min(tl.where(short, tiles, 1 << 30), axis=1), axis=0)
+            record_failure(control, rank, task, _WAIT_TILE_DONE, first, col_blocks,
+                           tl.min(tl.min(tl.where(short, seen, 1 << 30), axis=1), axis=0))
+        else:
+            per_rank = token_capacity * TOP_K
+            source = copy_id // per_rank
+            token = ((copy_id % per_rank) // TOP_K).to(tl.int64)
+            partials = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, source, off_partials)
+            dst = partials[:, None] + (token * WORLD + rank)[:, None] * DIM
+            y = y_ptr + local.to(tl.int64) * y_rank_stride
+            slot_score = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score)
+            for d0 in range(0, DIM, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                mask_d = offs_d < DIM
+                acc = tl.zeros((BT, BD), dtype=tl.float32)
+                for kk in range(0, TOP_K):
+                    slot_k = tl.sum(tl.where(offs_k[None, :] == kk, slots, 0), axis=1)
+                    use = lead & (slot_k >= 0)
+                    rows = tl.load(y + tl.maximum(slot_k, 0).to(tl.int64)[:, None] * DIM + offs_d[None, :],
+                                   mask=use[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+                    if SCORE_BEFORE:
+                        acc += rows.to(tl.float32)
+                    else:
+                        score = tl.load(slot_score + tl.maximum(slot_k, 0), mask=use, other=0.0, cache_modifier=".cg")
+                        acc += score[:, None] * rows.to(tl.float32)
+                tl.store(dst + offs_d[None, :], acc, mask=lead[:, None] & mask_d[None, :])
+            # Every thread's partial stores before any arrival is released.
+            tl.debug_barrier()
+            arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
+            tl.atomic_add(arrivals + token, 1, mask=lead, sem="release", scope="sys")
+
+
+@triton.jit
+def presum_reduce_task(
+    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, dest_rank_ptr, route_rank_stride,
+    out_ptr, out_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_partials, off_token_arrivals,
+    timeout, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    """Presum combine, on the source: ``out[t] = sum_r partial[t, r]`` in fp32
+    over the ranks ``r = 0..W-1`` that token ``t`` went to."""
+    local = task // tasks_per_rank
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    num_tokens = tl.load(num_tokens_ptr + local)
+    if has_failed(control) == 0:
+        offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
+        mask_t = offs_t < num_tokens
+        offs_k = tl.arange(0, KP)
+        dest = tl.load(dest_rank_ptr + local * route_rank_stride + offs_t[:, None] * TOP_K + offs_k[None, :],
+                       mask=mask_t[:, None] & (offs_k < TOP_K)[None, :], other=-1)
+        expected = tl.zeros([BT], dtype=tl.int32)
+        for p in range(WORLD):
+            expected += tl.max(tl.where(dest == p, 1, 0), axis=1)
+        arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals) + offs_t
+        seen = wait_counters_at_least(arrivals, mask_t, expected, timeout, USE_TIMER)
+        short = mask_t & (seen < expected)
+        if tl.max(short.to(tl.int32)) > 0:
+            first = tl.min(tl.where(short, offs_t, 1 << 30))
+            record_failure(
+                control, rank, task, _WAIT_TOKEN_ROWS, first, tl.max(tl.where(short, expected, 0)),
+                tl.min(tl.where(short, seen, 1 << 30))
+            )
+        else:
+            out = out_ptr + local.to(tl.int64) * out_rank_stride
+            partials = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_partials)
+            rows = offs_t.to(tl.int64) * WORLD
+            for d0 in range(0, DIM, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                mask = mask_t[:, None] & (offs_d < DIM)[None, :]
+                acc = tl.zeros((BT, BD), dtype=tl.float32)
+                for p in range(WORLD):
+                    there = tl.max(tl.where(dest == p, 1, 0), axis=1) > 0
+                    part = tl.load(partials + (rows + p)[:, None] * DIM + offs_d[None, :],
+                                   mask=mask & there[:, None], other=0.0, cache_modifier=".cg")
+                    acc = tl.where(there[:, None], acc + part, acc)
+                tl.store(out + offs_t[:, None].to(tl.int64) * DIM + offs_d[None, :], acc.to(out.dtype.element_ty),
+                         mask=mask)
+
+
+@triton.jit
 def reduce_task(
     task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
     out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned, off_token_arrivals,
@@ -225,8 +357,14 @@ def fc2_combine_kernel(
     off_returned,
     off_token_arrivals,
     off_tile_done,
-    y_ptr,  # (L, S, D) staged expert outputs (staged combine only)
+    y_ptr,  # (L, S, D) staged expert outputs (staged / presum combine only)
     y_rank_stride,
+    dest_rank_ptr,  # (L, T, K) int32 (presum reduce)
+    f32_anchor,  # this rank's arena as fp32 (presum)
+    off_slot_score,
+    off_token_slots,
+    off_token_tiles,
+    off_partials,
     rank_base,
     token_capacity,
     slot_capacity,
@@ -252,6 +390,9 @@ def fc2_combine_kernel(
     USE_TIMER: tl.constexpr,
     STAGED: tl.constexpr,
     DEFER_RELEASE: tl.constexpr,
+    PRESUM: tl.constexpr = False,
+    WORLD: tl.constexpr = 1,
+    KP: tl.constexpr = 1,
 ):
     col_blocks = tl.cdiv(DIM, BN)
     # Direct combine with DEFER_RELEASE: a tile's arrivals are released after
@@ -287,7 +428,7 @@ def fc2_combine_kernel(
                         h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
                         m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
                     )
-                    if STAGED:
+                    if STAGED | PRESUM:
                         staged = y_ptr + local.to(tl.int64) * y_rank_stride
                         tl.store(staged + offs_m[:, None].to(tl.int64) * DIM + offs_n[None, :], y,
                                  mask=mask_m[:, None] & mask_n[None, :])
@@ -317,6 +458,23 @@ def fc2_combine_kernel(
             release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,
                                    off_token_arrivals)
 
+    if PRESUM:
+        if do_send != 0:
+            max_tiles = 0
+            for local in range(NUM_LOCAL):
+                max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
+            total = NUM_LOCAL * max_tiles * (BM // BT)
+            task = next_task(control_ptr, _CTL_SEND_TASKS)
+            while task < total:
+                presum_task(
+                    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
+                    y_ptr, y_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_slot_copy,
+                    off_slot_score, off_token_arrivals, off_tile_done, off_token_slots, off_token_tiles, off_partials,
+                    token_capacity, slot_capacity, col_blocks, timeout,
+                    NUM_LOCAL, WORLD, DIM, TOP_K, KP, SCORE_BEFORE, BM, BT, BD, USE_TIMER,
+                )
+                task = next_task(control_ptr, _CTL_SEND_TASKS)
+
     if STAGED:
         if do_send != 0:
             max_tiles = 0
@@ -345,9 +503,16 @@ def fc2_combine_kernel(
             arrivals_per_token = TOP_K * col_blocks
         task = next_task(control_ptr, _CTL_REDUCE_TASKS)
         while task < total:
-            reduce_task(
-                task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
-                out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned,
-                off_token_arrivals, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD, USE_TIMER,
-            )
+            if PRESUM:
+                presum_reduce_task(
+                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, dest_rank_ptr, route_rank_stride,
+                    out_ptr, out_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_partials,
+                    off_token_arrivals, timeout, WORLD, DIM, TOP_K, KP, BT, BD, USE_TIMER,
+                )
+            else:
+                reduce_task(
+                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
+                    out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned,
+                    off_token_arrivals, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD, USE_TIMER,
+                )
             task = next_task(control_ptr, _CTL_REDUCE_TASKS)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["KernelConfig", "DEFAULT_CONFIGS", "default_config", "interpreter_config"]
+COMBINES = ("direct", "staged", "presum")
+
+__all__ = ["COMBINES", "KernelConfig", "DEFAULT_CONFIGS", "default_config", "interpreter_config"]
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,11 @@ class KernelConfig:
     """Programs of megakernel A that run dispatch tasks before joining the GEMM
     tasks; the others start on GEMM tiles at once and wait for their rows.
     A value >= the grid lets every program dispatch first. Measured on
-    2 x H200 (docs/performance.md): qwen3-like 16-32 best, 64 and 132 up to
-    14% slower; deepseek- and mixtral-like within a few percent of each other."""
+    2 x H200 (docs/performance.md): in run 2 (host-bound layout) qwen3-like
+    was best at 16-32; since the layout moved to the device (runs 4, 5) it is
+    best with every program dispatching first (6% faster), which
+    ``default_config(ep, hidden=H)`` picks for H <= 1024; deepseek- and
+    mixtral-like are best at 16."""
 
     num_programs: int | None = None
     """Persistent programs per launch; ``None``: one per SM. Every spin-wait
@@ -53,7 +58,19 @@ class KernelConfig:
     stores them into the sources' buffers itself. ``"staged"``: the tile is
     written locally (workspace buffer ``y``, ``S * D`` elements more) and
     separate send tasks move it, so GEMM programs never stall on NVLink.
-    Measured equal or slower on 2 x H200 (docs/performance.md), hence off."""
+    Measured equal or slower on 2 x H200 (docs/performance.md), hence off.
+    ``"presum"``: the tile is written locally (``y``) and presum tasks on the
+    expert rank sum each token's rows of this rank in fp32 in k order (with
+    the router score, scores after the experts), then send ONE fp32 partial
+    per (token, expert rank) to the source, whose reduce sums the partials in
+    rank order. ``K / W``-fold fewer combine rows over NVLink (fp32: half the
+    bytes of ``direct`` at K = 8, W = 2) and one release per (token, rank).
+    It rounds differently from ``direct``/``staged`` (per-rank fp32 partial
+    sums), so it is bitwise equal across schedules, not to the other modes.
+    Needs a workspace built with it (``y`` plus the ``partials``,
+    ``token_slots`` and ``token_tiles`` arena buffers). Measured on 2 x H200
+    (docs/performance.md, run 5): correct (bitwise across schedules) but
+    slower everywhere (qwen3-like 2.84 against 1.75 ms), hence off."""
 
     defer_release: bool = False
     """Direct combine: release a tile's row arrivals (system scope) only after
@@ -108,8 +125,13 @@ class KernelConfig:
         for name in ("block_m", "block_n_fc1", "block_n_fc2", "block_k"):
             if getattr(self, name) < 16:
                 raise ValueError(f"KernelConfig.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
-        if self.combine not in ("direct", "staged"):
-            raise ValueError(f"KernelConfig.combine must be 'direct' or 'staged', got {self.combine!r}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"KernelConfig.combine must be one of {COMBINES}, got {self.combine!r}")
+        if self.combine == "presum" and self.reduce_block_tokens > self.block_m:
+            raise ValueError(
+                f"KernelConfig.reduce_block_tokens ({self.reduce_block_tokens}) must be <= block_m ({self.block_m}) "
+                "with combine='presum' (its tasks split a tile's rows into blocks of that many)"
+            )
         if self.num_combine_sms < 1:
             raise ValueError(f"KernelConfig.num_combine_sms must be >= 1, got {self.num_combine_sms}")
         if self.num_comm_sms < 1:
@@ -127,10 +149,26 @@ DEFAULT_CONFIGS: dict[int, KernelConfig] = {
 }
 
 
-def default_config(ep_size: int) -> KernelConfig:
-    """The tuned defaults for ``ep_size``; the closest smaller tuned size otherwise."""
+# Shapes whose expert GEMMs are small per dispatched byte (expert hidden dim up
+# to this) run best with every program dispatching first (num_comm_sms >= the
+# grid). Measured on 2 x H200, direct combine (docs/performance.md, runs 4
+# and 5): qwen3-like (H = 768) 1.622 vs 1.738 and 1.649 vs 1.746 ms;
+# deepseek-like (H = 2048) 4% and mixtral-like (H = 14336) 3-16% slower, so
+# they keep the EP-size default.
+DISPATCH_FIRST_MAX_HIDDEN = 1024
+DISPATCH_FIRST_COMM_SMS = 1024  # >= any grid: every program dispatches first
+
+
+def default_config(ep_size: int, *, hidden: int | None = None) -> KernelConfig:
+    """The tuned defaults for ``ep_size``; the closest smaller tuned size
+    otherwise. ``hidden`` (the expert hidden dim), when given, applies the
+    per-shape choice above (``fused.moe_forward`` does so when called without
+    a config on a workspace that has the EP-size default)."""
     known = [w for w in sorted(DEFAULT_CONFIGS) if w <= ep_size]
-    return DEFAULT_CONFIGS[known[-1] if known else min(DEFAULT_CONFIGS)]
+    config = DEFAULT_CONFIGS[known[-1] if known else min(DEFAULT_CONFIGS)]
+    if hidden is not None and hidden <= DISPATCH_FIRST_MAX_HIDDEN:
+        config = config.replace(num_comm_sms=max(config.num_comm_sms, DISPATCH_FIRST_COMM_SMS))
+    return config
 
 
 def interpreter_config(**changes) -> KernelConfig:
