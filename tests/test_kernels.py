@@ -26,7 +26,7 @@ if torch.cuda.is_available():
 if not isinstance(tl.standard.cdiv, InterpretedFunction):
     # Triton was imported (e.g. by torchtitan in an earlier test module) before
     # TRITON_INTERPRET was set, so its own jit helpers cannot run under the
-    # interpreter in this process: test_kernels_subprocess.py runs this file anew.
+    # interpreter in this process: test_interpreter_subprocess.py runs this file anew.
     pytest.skip("Triton was imported before TRITON_INTERPRET=1; run in a subprocess", allow_module_level=True)
 
 DIM, HIDDEN = 32, 48  # HIDDEN not a multiple of the 16-column tiles' 32: masked column blocks too

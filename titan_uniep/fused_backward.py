@@ -49,13 +49,13 @@ from .kernels.backward import (
     grad_input_combine_kernel,
 )
 from .kernels.sync import BAD_SLOT, ERROR_FIELDS, WAIT_COUNTS_FLAG, WAIT_TILE_ROWS, WAIT_TOKEN_ROWS
+from .fused import SCHEDULES, _check_schedule, _num_programs, _timeout, _use_timer
 from .kernels.tuning import KernelConfig, default_config
 from .layout import compute_layout, compute_tiles
 from .symm import Workspace
 
 __all__ = ["BackwardWorkspace", "moe_backward", "simulated_moe_backward", "SCHEDULES"]
 
-SCHEDULES = ("sequential", "fused")
 Schedule = Literal["sequential", "fused"]
 
 # Launches of each schedule; "+" joins task kinds run by one persistent grid.
@@ -387,9 +387,6 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     return dx, ds, dw1, dw2, dw3
 
 
-def _check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
 def _config(ws: Workspace, config: KernelConfig | None) -> KernelConfig:
@@ -427,20 +424,10 @@ def _count_copies(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount sizes on the host)
 
 
-def _use_timer(ws: Workspace) -> bool:
-    return ws.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def _timeout(ws: Workspace, cfg: KernelConfig) -> int:
-    return min(int(cfg.timeout_s * 1e6), 2**31 - 1) if _use_timer(ws) else cfg.interpreter_max_spins
 
 
-def _num_programs(ws: Workspace, cfg: KernelConfig) -> int:
-    if cfg.num_programs is not None:
-        return cfg.num_programs
-    if ws.device.type == "cuda":
-        return torch.cuda.get_device_properties(ws.device).multi_processor_count
-    return cfg.num_comm_sms + 1
 
 
 def _exchange_counts(ws: Workspace, counts: torch.Tensor, cfg: KernelConfig, *, publish: bool = True,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_tensor, all_to_all_single_autograd
 
-from titan_uniep.layout import RouteLayout, compute_layout, count_per_expert
+from titan_uniep.layout import compute_layout, count_per_expert
 
 __all__ = [
     "Routing",

@@ -1,4 +1,4 @@
-"""Runs test_kernels.py in a fresh process when this one cannot.
+"""Runs the interpreter kernel tests (test_kernels.py, test_backward.py) in a fresh process when this one cannot.
 
 The Triton interpreter needs TRITON_INTERPRET=1 before ``import triton``
 (Triton's own jit helpers such as ``tl.cdiv`` are defined at import). When an
@@ -18,7 +18,7 @@ import torch
 
 def _triton_is_interpreted() -> bool:
     if "triton" not in sys.modules:
-        return True  # test_kernels.py will set the variable before importing it
+        return True  # the test modules set the variable before importing it
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -26,10 +26,11 @@ def _triton_is_interpreted() -> bool:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests")
-def test_kernel_tests_in_a_fresh_interpreter_process():
+@pytest.mark.parametrize("module", ["test_kernels.py", "test_backward.py"])
+def test_kernel_tests_in_a_fresh_interpreter_process(module):
     if _triton_is_interpreted():
-        pytest.skip("test_kernels.py runs in this process")
-    tests = Path(__file__).with_name("test_kernels.py")
+        pytest.skip(f"{module} runs in this process")
+    tests = Path(__file__).with_name(module)
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(tests.parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
