@@ -109,6 +109,7 @@ def assert_correct(w, sequential, fused, *, score_before):
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (2, 8, 3, [13, 9]),
     (4, 8, 3, [7, 11, 5, 9]),
+    (8, 16, 4, [5, 0, 9, 3, 7, 2, 6, 4]),  # EP = 8 (one 8-GPU node), a rank with no tokens
 ])
 def test_backward_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens,
                                                                    score_before):
