@@ -147,11 +147,9 @@ def reference_schedule(
     layout = compute_layout(indices, counts_all, dist.get_rank(group))
 
     # The one host sync of this schedule: all_to_all_single needs split sizes.
-    send_counts, recv_counts, rows_per_expert = (
-        layout.send_counts.tolist(),
-        layout.recv_counts.tolist(),
-        layout.tokens_per_local_expert.tolist(),
-    )
+    world = layout.ep_size
+    sizes = torch.cat([layout.send_counts, layout.recv_counts, layout.tokens_per_local_expert]).tolist()
+    send_counts, recv_counts, rows_per_expert = sizes[:world], sizes[world : 2 * world], sizes[2 * world :]
     recv_rows = sum(recv_counts)
 
     send_rows = x[torch.div(layout.send_order, top_k, rounding_mode="floor")]
