@@ -127,6 +127,20 @@ def test_backward_fused_matches_sequential_bitwise_and_references(world, num_exp
             assert torch.equal(a, b), f"rank {r} {name}: differs run to run"
 
 
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+def test_backward_two_pass_dh_tiles(score_before, monkeypatch):
+    """The dH tile's other shape (h1/h3 loop, then the dOut @ w2 loop, h1/h3
+    parked in dh1/dh3 between them): correct and bitwise across schedules."""
+    from titan_uniep import fused_backward
+
+    monkeypatch.setitem(fused_backward.BACKWARD_TILES, "dh_two_pass", 1 - fused_backward.BACKWARD_TILES["dh_two_pass"])
+    w = make_world(2, 8, 3, [13, 10], seed=71)
+    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                                     dtype=torch.float32, config=interpreter_config())
+    seq, fus = run_both(w, score_before=score_before, workspace=ws)
+    assert_correct(w, seq, fus, score_before=score_before)
+
+
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing",
                                   "rank_with_no_tokens", "one_local_expert"])
 def test_backward_bitwise_and_correct_under_edge_routing(case):
@@ -162,7 +176,7 @@ def test_backward_per_rank_launches_match_the_simulated_world():
     bits as the whole-world launch."""
     from types import SimpleNamespace
 
-    from titan_uniep import fused_backward as fb
+    from titan_uniep import fused, fused_backward as fb
 
     world, cfg = 2, interpreter_config()
     w = make_world(world, 8, 3, [11, 6], seed=51)
@@ -171,20 +185,23 @@ def test_backward_per_rank_launches_match_the_simulated_world():
     whole = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                    schedule="sequential", score_before_experts=False, workspace=bws)
     ws = bws.inner
+    per_rank = ("h", "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
+                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles")
     views = []
     for r in range(world):
         inner = SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, offsets=ws.offsets,
                                 arena_ptrs=ws.arena_ptrs, anchors=ws.anchors, anchor_rank=ws.anchor_rank,
-                                device=ws.device, h=ws.h[r:r + 1], control=ws.control[r:r + 1],
-                                counts_all=ws.counts_all[r:r + 1], rank_base=r, num_local_ranks=1)
-        views.append(SimpleNamespace(inner=inner, dim=DIM, dh1=bws.dh1[r:r + 1], dh3=bws.dh3[r:r + 1]))
-    counts = [fb._count_copies(w["indices"][r], 8).unsqueeze(0) for r in range(world)]
-    for step in ("publish", "collect"):
+                                device=ws.device, rank_base=r, num_local_ranks=1,
+                                **{name: getattr(ws, name)[r:r + 1] for name in per_rank})
+        parts = bws.ds_parts[r:r + 1]
+        views.append(SimpleNamespace(inner=inner, dim=DIM, dh1=bws.dh1[r:r + 1], dh3=bws.dh3[r:r + 1],
+                                     ds_parts_for=lambda n, parts=parts: parts))
+    for step in ("count", "publish", "collect", "place"):
         for r in range(world):
-            fb._exchange_counts(views[r].inner, counts[r], cfg, publish=step == "publish",
-                                collect=step == "collect")
-    arrays = [fb._prepare_rank_arrays(views[r].inner, w["grads"][r], w["xs"][r], w["scores"][r], w["indices"][r],
-                                      w["w1s"][r], w["w2s"][r], w["w3s"][r], cfg) for r in range(world)]
+            indices = w["indices"][r].unsqueeze(0)
+            fused._route(views[r].inner, indices, indices.shape[1], cfg, steps=[step])
+    arrays = [fb._rank_arrays(views[r].inner, w["grads"][r], w["xs"][r], w["scores"][r], w["w1s"][r], w["w2s"][r],
+                              w["w3s"][r]) for r in range(world)]
     outs = [None] * world
     for phase in ("dispatch", "dh", "da"):
         for r in range(world):

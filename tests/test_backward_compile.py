@@ -4,7 +4,7 @@ Same approach as test_kernels_compile.py (Triton's wheel ships ptxas): the
 whole pipeline runs here for the backward's default tiles
 (``fused_backward.backward_block_sizes`` of the default KernelConfig), and
 the checks are those a GPU-less machine can make: every GEMM loop (dH, dA,
-y, dW1/dW3, dW2) is software-pipelined (async copies into shared memory) and
+dW1/dW3, dW2) is software-pipelined (async copies into shared memory) and
 uses wgmma, ptxas' register spills stay small, shared memory fits an H200
 SM. Runs in a subprocess: TRITON_INTERPRET must be unset when a kernel is
 defined for it to be compilable.
@@ -64,11 +64,7 @@ def compile_all() -> None:
     from triton.compiler import ASTSource
 
     from titan_uniep.fused_backward import backward_block_sizes
-    from titan_uniep.kernels.backward import (
-        dispatch_grad_hidden_kernel,
-        exchange_backward_counts_kernel,
-        grad_input_combine_kernel,
-    )
+    from titan_uniep.kernels.backward import dispatch_grad_hidden_kernel, grad_input_combine_kernel
     from titan_uniep.kernels.tuning import KernelConfig
 
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
@@ -106,10 +102,11 @@ def compile_all() -> None:
     anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32)
     ba = dict(**anchors, x_ptr=bf, g_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
               num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-              w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, control_ptr=i64, arena_ptrs=i64)
+              w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, control_ptr=i64,
+              arena_ptrs=i64)
     bb = dict(**anchors, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, dw1_ptr=bf, dw2_ptr=bf,
               dw3_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-              expert_offsets_ptr=i32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf, dx_ptr=bf, ds_ptr=f32,
+              route_tables_ptr=i32, ds_parts_ptr=f32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf, dx_ptr=bf, ds_ptr=f32,
               control_ptr=i64, arena_ptrs=i64)
     for score_before in (False, True):
         shapes = ((2048, 768, True), (96, 80, False)) + (((7168, 2048, True),) if not score_before else ())
@@ -118,18 +115,17 @@ def compile_all() -> None:
                          USE_TIMER=True, GROUP_M=cfg.group_m, BM=cfg.block_m, BK=blocks["bk"], KP=8)
             what = f"D={dim} H={hidden} scores {'before' if score_before else 'after'}"
             kernel = build(dispatch_grad_hidden_kernel, ba, dict(NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16,
-                                                                  BD=512, **shape))
-            check(kernel, f"BA (dispatch + dH) {what}", 1, even)
+                                                                  BD=512, TWO_PASS=bool(blocks["dh_two_pass"]),
+                                                                  **shape))
+            check(kernel, f"BA (dispatch + dH) {what}", 1 + blocks["dh_two_pass"], even)
+            nhb = -(-hidden // blocks["dh"])
             kernel = build(grad_input_combine_kernel, bb, dict(
-                NUM_LOCAL=1, NUM_EXPERTS_LOCAL=64, BN=blocks["da"], WH=blocks["wgrad_h"], WD=blocks["wgrad_d"],
+                NUM_LOCAL=1, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, NHB=nhb, NHBP=triton.next_power_of_2(nhb),
+                BN=blocks["da"], WH=blocks["wgrad_h"], WD=blocks["wgrad_d"],
                 BR=blocks["wgrad_rows"], WG=blocks["wgrad_group"], WSTAGES=blocks["stages"], BT=16, BD=256,
                 RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, INTERPRET=False, **shape))
-            # dA, dW1/dW3, dW2, and y when scores come after the experts.
-            check(kernel, f"BB (dA + wgrad + reduce) {what}", 3 if score_before else 4, even)
-    build(exchange_backward_counts_kernel, dict(counts_ptr=i64, counts_all_ptr=i64, control_ptr=i64, arena_ptrs=i64,
-                                                i64_anchor=i64, i32_anchor=i32),
-          dict(WORLD=2, NUM_EXPERTS=128, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
-               BLOCK=1024, USE_TIMER=True), num_warps=4)
+            # dA, dW1/dW3 and dW2.
+            check(kernel, f"BB (dA + wgrad + reduce) {what}", 3, even)
     print("COMPILED OK")
 
 

@@ -15,6 +15,11 @@ and routing (random router-like scores, balanced):
   receives (groups padded to 8 rows) under autograd, forward + backward.
 
 Times: CUDA events, warm-up first, median over ``--reps``, slowest rank (ms).
+``--sweep-tiles '[{"wgrad_rows": 128}, ...]'``: the fused backward again with
+each override of ``fused_backward.BACKWARD_TILES`` (``uniep_fused_bwd[...]``).
+``--profile``: rank 0 prints, for one backward call of each schedule, every
+CUDA kernel in launch order with its device time (the sequential schedule's
+launches are its phases: exchange, dispatch, dH, dA, wgrad, reduce).
 One ``JSON`` line per shape, then a table. A failing path prints its error
 and is reported as ``null`` (the others still run).
 """
@@ -32,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .fused import moe_forward
+from . import fused_backward
 from .fused_backward import BackwardWorkspace, moe_backward
 from .layout import compute_layout, count_per_expert
 from .symm import Workspace
@@ -176,6 +182,20 @@ def bench_shape(name, shape, args, group, mesh, dev):
     layout = compute_layout(indices, counts_all, rank)
     measure("gemm_only", lambda: gemm_only_fwd_bwd(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype,
                                                    gen, dev))
+    for override in json.loads(args.sweep_tiles):
+        saved = dict(fused_backward.BACKWARD_TILES)
+        fused_backward.BACKWARD_TILES.update(override)
+        try:
+            key = "uniep_fused_bwd[" + ",".join(f"{k}={v}" for k, v in override.items()) + "]"
+            measure(key, lambda: lambda: moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws,
+                                                      schedule="fused", score_before_experts=score_before))
+        finally:
+            fused_backward.BACKWARD_TILES.clear()
+            fused_backward.BACKWARD_TILES.update(saved)
+    if args.profile:
+        profile_backward(lambda schedule: moe_backward(
+            grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
+            score_before_experts=score_before), rank, name)
     if args.check:
         outs = [moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=s,
                              score_before_experts=score_before) for s in ("sequential", "fused")]
@@ -189,6 +209,25 @@ def bench_shape(name, shape, args, group, mesh, dev):
     return result
 
 
+def profile_backward(call, rank: int, name: str) -> None:
+    """Rank 0 prints one call's CUDA kernels, in launch order, per schedule."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for schedule in ("sequential", "fused"):
+        call(schedule)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call(schedule)
+            torch.cuda.synchronize()
+        if rank == 0:
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            total = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+            print(f"PROFILE {name} {schedule}: {len(kernels)} kernels, {total:.3f} ms of kernel time", flush=True)
+            for e in kernels:
+                print(f"PROFILE   {e.time_range.elapsed_us() / 1e3:8.3f} ms  {e.name[:90]}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3,deepseek")
@@ -197,6 +236,8 @@ def main(argv=None) -> None:
     parser.add_argument("--score-before", action="store_true")
     parser.add_argument("--check", action="store_true", help="fused == sequential bitwise (all grads)")
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--profile", action="store_true", help="rank 0: one call's kernels, in order")
+    parser.add_argument("--sweep-tiles", default="[]", help="JSON list of BACKWARD_TILES overrides to time")
     args = parser.parse_args(argv)
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

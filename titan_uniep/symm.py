@@ -216,6 +216,8 @@ class Workspace:
         self.device = device
         self.config = config
         self.group = group
+        # Which pass's kernels use it and what their waits mean (error messages).
+        self.error_context: tuple[str, dict[int, str]] = ("forward", _WHAT)
         self._allocate()
 
     # ---- construction -------------------------------------------------
@@ -370,11 +372,12 @@ class Workspace:
         for local in range(records.shape[0]):
             rec = dict(zip(ERROR_FIELDS, records[local].tolist()))
             if rec["flag"]:
-                what = _WHAT.get(rec["what"], "an unknown wait ({what})").format(**rec)
+                role, descriptions = self.error_context
+                what = descriptions.get(rec["what"], "an unknown wait ({what})").format(**rec)
                 timeout = (f"{self.config.timeout_s:g} s" if self.device.type == "cuda"
                            else f"{self.config.interpreter_max_spins} polls")
                 raise RuntimeError(
-                    f"UniEP forward failed on EP rank {rec['rank']} (call epoch {rec['epoch']}, task {rec['task']}): "
+                    f"UniEP {role} failed on EP rank {rec['rank']} (call epoch {rec['epoch']}, task {rec['task']}): "
                     f"{what}; expected {rec['expected']}, saw {rec['seen']} after {timeout}. A peer rank did not "
                     f"reach this MoE layer or stopped sending (see the other ranks' errors). This workspace is "
                     f"unusable now; rebuild it (or raise KernelConfig.timeout_s if a peer is merely slow)."

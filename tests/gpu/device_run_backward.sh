@@ -2,6 +2,7 @@
 # The backward's GPU checks in one command (repo root, 2 GPUs): the one-GPU
 # simulated-world tests (bf16), the real 2-GPU check and the fwd+bwd benchmark.
 # Logs go to $OUT. Usage: bash tests/gpu/device_run_backward.sh
+# (BENCH_EXTRA: more bench_backward arguments, e.g. "--profile --sweep-tiles '[...]'").
 set -u
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/uniep-out}
@@ -21,5 +22,5 @@ timeout "$EP_S" python3 -m torch.distributed.run --standalone --nproc_per_node 2
 echo "== fwd+bwd benchmark"
 timeout "$BENCH_S" python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m titan_uniep.bench_backward \
     --shapes "${SHAPES:-qwen3,deepseek}" --check --warmup "${WARMUP:-2}" --reps "${REPS:-5}" \
-    --json-out "$OUT/bwd_bench.jsonl" > "$OUT/bwd_bench.log" 2>&1; echo "bench_backward exit $?"
-grep -E "^\||JSON|Error|error|Traceback|failed" "$OUT/bwd_bench.log" | cut -c1-1500 | tail -30
+    --json-out "$OUT/bwd_bench.jsonl" ${BENCH_EXTRA:-} > "$OUT/bwd_bench.log" 2>&1; echo "bench_backward exit $?"
+grep -E "^\||JSON|Error|error|Traceback|failed|PROFILE.*(kernels|_kernel)" "$OUT/bwd_bench.log" | cut -c1-2500 | tail -40

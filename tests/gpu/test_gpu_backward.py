@@ -87,10 +87,13 @@ def check(w, *, score_before):
                 assert err < 3e-2, f"rank {r} {name}: relative max error {err:.3g} vs float64"
 
 
-@pytest.mark.parametrize("world,score_before", [(2, False), (4, True)])
+TOKENS = {2: [300, 257], 4: [300, 170, 0, 257], 8: [300, 170, 0, 257, 64, 1, 129, 200]}
+
+
+@pytest.mark.parametrize("world,score_before", [(2, False), (4, True), (8, False)])
 def test_gpu_backward_bitwise_and_close_to_float64(world, score_before):
-    check(make_world(world, 16, 4, [300, 170, 0, 257][:world] if world == 4 else [300, 257], seed=world),
-          score_before=score_before)
+    """W = 4 and 8: EP on one 8-GPU node, simulated on one GPU (ranks with 0 and 1 tokens)."""
+    check(make_world(world, 16, 4, TOKENS[world], seed=world), score_before=score_before)
 
 
 def test_gpu_backward_skewed_routing():

@@ -71,6 +71,7 @@ def check_world(w, *, score_before, config=None, workspace=None):
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (2, 16, 4, [700, 513]),
     (4, 16, 4, [300, 129, 0, 257]),
+    (8, 32, 8, [300, 129, 0, 257, 1, 64, 200, 77]),  # EP = 8 of one node, top-8 (ranks with 0 and 1 tokens)
 ])
 def test_simulated_world_bf16(world, num_experts, top_k, num_tokens, score_before, combine):
     w = make_world(world, num_experts, top_k, num_tokens, seed=world + 10 * score_before)

@@ -10,13 +10,16 @@ Index arrays (``L`` local ranks, stacked as in the forward):
 - source side ``(L, T, K)``: ``dest_rank``/``dest_slot``/``dest_tile`` int32,
   ``scores`` fp32; ``x``/``grad_out`` ``(L, T, D)``;
 - receive side ``(L, C)`` int32 ``tile_expert``/``tile_start``/``tile_end``,
-  ``num_tiles`` ``(L,)``, ``expert_offsets`` ``(L, El + 1)`` int32;
+  ``num_tiles`` ``(L,)``, ``route_tables`` ``(L, 5, E)`` int32 (each local
+  expert's first slot and row count, ``kernels.route``); all written by the
+  forward's route kernels, run on the backward workspace;
 - arena (every rank): ``tokens`` ``(W * T_cap, 2D)`` (``[x | dOut]`` rows),
   ``slot_copy``/``slot_score`` ``(S,)``, ``tile_arrivals`` ``(C,)``,
   ``returned`` ``(T_cap * K, 2D)``: columns ``[0, D)`` the dA row of copy
-  ``(t, k)``, the rest viewed as fp32 holds its ``cdiv(D, BN_B)`` partial
-  router-score gradients (scores after the experts), ``token_arrivals``.
-- local: ``h``, ``dh1``, ``dh3`` ``(L, S, H)``.
+  ``(t, k)``, the next fp32 word its router-score gradient (scores after the
+  experts), ``token_arrivals``.
+- local: ``h``, ``dh1``, ``dh3`` ``(L, S, H)``; ``ds_parts`` ``(L, S, NHB)``
+  fp32, one router-score partial per slot and dH column block.
 
 Megakernel BA (dispatch + dH + SwiGLU backward), tasks:
 
@@ -26,31 +29,37 @@ Megakernel BA (dispatch + dH + SwiGLU backward), tasks:
 2. tile (expert rows ``m0..m1`` x ``BN_A`` columns of H): wait for the tile's
    rows, recompute ``h1 = a @ w1^T``, ``h3 = a @ w3^T`` (``a`` = x row, times
    the score when scores come before the experts, as the forward),
-   ``dH = dY @ w2`` (``dY`` = ``bf16(dOut * s)`` after, ``dOut`` before), then
-   store ``h``, ``dh1 = dH * h3 * silu'(h1)``, ``dh3 = dH * silu(h1)`` with
-   torch autograd's rounding steps.
+   ``G = dOut @ w2`` (the dispatched, unscaled rows), ``dH = s * G`` (scores
+   after the experts) or ``G`` (before), then store ``h`` (``s * h`` after the
+   experts: the weight gradient takes ``dW2 = dOut^T (s * h)``),
+   ``dh1 = dH * h3 * silu'(h1)``, ``dh3 = dH * silu(h1)`` with torch
+   autograd's rounding steps; scores after the experts, also the partial
+   router-score gradient ``sum_n G[:, n] * h[:, n]`` over the tile's columns
+   (``<dOut, y> = <dOut @ w2, h>`` for ``y = h @ w2^T``: no second fc2).
 
 Megakernel BB (dA + combine, weight gradients), tasks:
 
 1. tile (expert rows x ``BN_B`` columns of D): ``dA = dh1 @ w1 + dh3 @ w3``
    (one fp32 accumulator), stored into the source's ``returned[t * K + k]``;
-   scores after the experts: then, in a second K-loop, ``y = h @ w2^T`` and
-   the partial ``<dOut[t], y>`` over the tile's columns (fp32), stored next
-   to it; then one release arrival per row on the source's
+   scores after the experts, the tiles of column block 0 also sum each row's
+   ``NHB`` score partials in column-block order and store the sum next to
+   it; then one release arrival per row on the source's
    ``token_arrivals[t]``;
 2. wgrad (expert ``e`` x ``WH`` rows of H x ``WG`` blocks of ``WD`` columns
-   of D): ``dW1/dW3[e] = dh^T @ a``, ``dW2[e] = dY^T @ h``, each output
+   of D): ``dW1/dW3[e] = dh^T @ a``, ``dW2[e] = dOut^T @ h`` (``h`` as stored), each output
    block looping over ALL rows of the expert in slot order, ``BR`` rows a
    step (no split-K, no atomics);
 3. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN_B)``
    arrivals per token, then in fp32 and fixed order ``k = 0..K-1``:
    ``dx = sum_k dA`` (after) or ``sum_k s * dA`` (before), and
-   ``ds = sum_cb partial`` (after, in column-block order) or ``<x, dA>``
-   (before, in column order of ``BD`` blocks).
+   ``ds`` = the returned sum (after) or ``<x, dA>`` (before, in column order
+   of ``BD`` blocks).
 
-Each call starts with the backward's own counts exchange
-(``exchange_backward_counts_kernel``, the forward's protocol on the backward
-workspace), which also zeroes its arrival and task counters.
+Each call starts with the forward's route kernels on the backward workspace
+(``fused._route``: histogram, counts exchange, layout): the same
+deterministic slots as the forward, and the exchange zeroes this call's
+arrival and task counters (the backward's counters below are the first
+five control words, the ones it zeroes).
 
 Sequential schedule: the same kernels, one task kind per launch. Fused: BA
 with dispatch and tiles, BB with tiles, wgrad and reduce (the wgrad tasks
@@ -64,12 +73,13 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
+from .route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
     CTL_EPOCH,
     CTL_ERROR,
-    WAIT_COUNTS_FLAG,
+    NUM_TASK_COUNTERS,
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
     arena_ptr,
@@ -80,13 +90,15 @@ from .sync import (
     wait_counters_at_least,
 )
 
-# Task counters of the backward workspace's control words (zeroed by its counts exchange).
+# Task counters of the backward workspace's control words (the counts exchange
+# zeroes the first NUM_TASK_COUNTERS words every call).
 CTL_BWD_DISPATCH = 0
 CTL_BWD_DH = 1
 CTL_BWD_DA = 2
 CTL_BWD_REDUCE = 3
 CTL_BWD_WGRAD = 4
 NUM_BWD_COUNTERS = 5
+assert NUM_BWD_COUNTERS <= NUM_TASK_COUNTERS
 # The epoch and the error record sit where the forward keeps its own (the
 # workspace's error reporting reads them there).
 CTL_BWD_EPOCH = CTL_EPOCH
@@ -97,9 +109,9 @@ _CTL_BWD_DH = tl.constexpr(CTL_BWD_DH)
 _CTL_BWD_DA = tl.constexpr(CTL_BWD_DA)
 _CTL_BWD_REDUCE = tl.constexpr(CTL_BWD_REDUCE)
 _CTL_BWD_WGRAD = tl.constexpr(CTL_BWD_WGRAD)
-_NUM_BWD_COUNTERS = tl.constexpr(NUM_BWD_COUNTERS)
-_CTL_BWD_EPOCH = tl.constexpr(CTL_BWD_EPOCH)
-_WAIT_COUNTS_FLAG = tl.constexpr(WAIT_COUNTS_FLAG)
+_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
+_ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
+_ROW_ROWS = tl.constexpr(ROW_ROWS)
 _BAD_SLOT = tl.constexpr(BAD_SLOT)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
@@ -164,78 +176,135 @@ def dispatch_grad_task(
 
 
 @triton.jit
+def _operands3(a_ptrs, b_ptrs, c_ptrs, mask_m, mask_n, offs_k, k, DIM: tl.constexpr, BK: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ONE_WEIGHT: tl.constexpr):
+    """One K step's gathered rows ``a`` (BM x BK) and weight tiles ``b``, ``c``
+    (BK x BN pointer blocks; ``ONE_WEIGHT``: ``c`` is ``b``), masked as the
+    shape needs."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+        if EVEN_N:
+            b = tl.load(b_ptrs)
+            c = b if ONE_WEIGHT else tl.load(c_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            c = b if ONE_WEIGHT else tl.load(c_ptrs, mask=mask_n[None, :], other=0.0)
+    else:
+        mask_k = offs_k < DIM - k * BK
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
+        mask_kn = mask_k[:, None] & mask_n[None, :]
+        b = tl.load(b_ptrs, mask=mask_kn, other=0.0)
+        c = b if ONE_WEIGHT else tl.load(c_ptrs, mask=mask_kn, other=0.0)
+    return a, b, c
+
+
+@triton.jit
 def grad_hidden_tile(
-    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, m0, m1, n0,
+    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, m0, m1, col_block,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO_PASS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """h, dh1, dh3 at slots ``m0..m1``, columns ``n0..n0+BN`` of one expert
-    (``w1``/``w3``: its (H, D), ``w2``: its (D, H)). The K-loop over D has a
-    compile-time trip count and advancing pointers (software-pipelined: the
-    gathered ``[x | dOut]`` rows and the three weight tiles are async copies)."""
+    """h (times the score, scores after), dh1, dh3 and the score partials at
+    slots ``m0..m1``, columns ``col_block * BN + [0, BN)`` of one expert
+    (``w1``/``w3``: its (H, D), ``w2``: its (D, H)). The K-loops over D have
+    compile-time trip counts and advancing pointers (software-pipelined: the
+    gathered ``[x | dOut]`` rows and the weight tiles are async copies).
+    ``TWO_PASS``: one loop for h1/h3, then one for G (a wider tile, the
+    gathered rows read twice); else all three in one loop."""
     EVEN_K: tl.constexpr = DIM % BK == 0
     EVEN_N: tl.constexpr = HIDDEN % BN == 0
+    NHB: tl.constexpr = (HIDDEN + BN - 1) // BN
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
-    offs_n = n0 + tl.arange(0, BN)
+    offs_n = col_block * BN + tl.arange(0, BN)
     mask_n = offs_n < HIDDEN
     offs_k = tl.arange(0, BK)
+    out_ty = h.dtype.element_ty
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     token_row = (copy_id // TOP_K).to(tl.int64)
     score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
     a_ptrs = tokens + token_row[:, None] * (2 * DIM) + offs_k[None, :]
     b1_ptrs = w1 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
     b3_ptrs = w3 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
-    b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(DIM, BK)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-            dy = tl.load(a_ptrs + DIM, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-            if EVEN_N:
-                b1 = tl.load(b1_ptrs)
-                b3 = tl.load(b3_ptrs)
-                b2 = tl.load(b2_ptrs)
-            else:
-                b1 = tl.load(b1_ptrs, mask=mask_n[None, :], other=0.0)
-                b3 = tl.load(b3_ptrs, mask=mask_n[None, :], other=0.0)
-                b2 = tl.load(b2_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < DIM - k * BK
-            mask_mk = mask_m[:, None] & mask_k[None, :]
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            a = tl.load(a_ptrs, mask=mask_mk, other=0.0, cache_modifier=".cg")
-            dy = tl.load(a_ptrs + DIM, mask=mask_mk, other=0.0, cache_modifier=".cg")
-            b1 = tl.load(b1_ptrs, mask=mask_kn, other=0.0)
-            b3 = tl.load(b3_ptrs, mask=mask_kn, other=0.0)
-            b2 = tl.load(b2_ptrs, mask=mask_kn, other=0.0)
-        # TorchTitan's (v.float() * s).to(v.dtype): x rows before the experts, dOut rows after.
-        if SCORE_BEFORE:
-            a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
-        else:
-            dy = (dy.to(tl.float32) * score[:, None]).to(dy.dtype)
-        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
-        acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
-        acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
-        a_ptrs += BK
-        b1_ptrs += BK
-        b3_ptrs += BK
-        b2_ptrs += BK * HIDDEN
+    # TorchTitan's (x.float() * s).to(x.dtype) before the experts; after them
+    # the score scales the fp32 product G = dOut @ w2 (epilogue).
+    if TWO_PASS:
+        # h1, h3 first (two accumulators), then G (one): three BN-wide
+        # accumulators never live at once, so BN can be 128. The gathered
+        # rows are read twice (L2).
+        for k in range(0, tl.cdiv(DIM, BK)):
+            a, b1, b3 = _operands3(a_ptrs, b1_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k, DIM, BK, EVEN_K, EVEN_N,
+                                   False)
+            if SCORE_BEFORE:
+                a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
+            acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+            acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+            a_ptrs += BK
+            b1_ptrs += BK
+            b3_ptrs += BK
+        # Parked in this tile's dh1 / dh3 (overwritten below): h1 and h3 held
+        # in registers across the second loop would spill.
+        park1 = tl.make_block_ptr(dh1, (m1, HIDDEN), (HIDDEN, 1), (m0, col_block * BN), (BM, BN), (1, 0))
+        park3 = tl.make_block_ptr(dh3, (m1, HIDDEN), (HIDDEN, 1), (m0, col_block * BN), (BM, BN), (1, 0))
+        tl.store(park1, acc1.to(out_ty), boundary_check=(0, 1))
+        tl.store(park3, acc3.to(out_ty), boundary_check=(0, 1))
+        # Pointers of the second loop built only now (fewer live registers).
+        dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
+        b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+        for k in range(0, tl.cdiv(DIM, BK)):
+            dy, b2, _unused = _operands3(dy_ptrs, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK,
+                                         EVEN_K, EVEN_N, True)
+            acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
+            dy_ptrs += BK
+            b2_ptrs += BK * HIDDEN
+        tl.debug_barrier()  # the parked values, stored by other threads of this program
+        gate_lp = tl.load(park1, boundary_check=(0, 1), padding_option="zero")
+        up_lp = tl.load(park3, boundary_check=(0, 1), padding_option="zero")
+    else:
+        b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+        for k in range(0, tl.cdiv(DIM, BK)):
+            a, b1, b3 = _operands3(a_ptrs, b1_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k, DIM, BK, EVEN_K, EVEN_N,
+                                   False)
+            dy, b2, _unused = _operands3(a_ptrs + DIM, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK,
+                                         EVEN_K, EVEN_N, True)
+            if SCORE_BEFORE:
+                a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
+            acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+            acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+            acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
+            a_ptrs += BK
+            b1_ptrs += BK
+            b3_ptrs += BK
+            b2_ptrs += BK * HIDDEN
+        gate_lp = acc1.to(out_ty)
+        up_lp = acc3.to(out_ty)
     # Rounding as torch autograd of TorchTitan's expert: every GEMM output and
-    # every elementwise result in the activation dtype, math in fp32.
-    out_ty = h.dtype.element_ty
-    gate = acc1.to(out_ty).to(tl.float32)
-    up = acc3.to(out_ty).to(tl.float32)
-    grad = acc_dh.to(out_ty).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    grad_act = (grad * up).to(out_ty).to(tl.float32)
+    # every elementwise result in the activation dtype, math in fp32. Values
+    # stay in the activation dtype between steps (fewer live registers).
+    if SCORE_BEFORE:
+        grad_lp = acc_dh.to(out_ty)
+    else:
+        grad_lp = (acc_dh * score[:, None]).to(out_ty)
+    gate = gate_lp.to(tl.float32)
+    act_lp = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+    hidden = (act_lp.to(tl.float32) * up_lp.to(tl.float32)).to(out_ty)
     at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(h + at, (act * up).to(out_ty), mask=mask)
-    tl.store(dh3 + at, (grad * act).to(out_ty), mask=mask)
+    if not SCORE_BEFORE:
+        # ds[t, k] = <dOut, y> = <dOut @ w2, h>: this column block's share, in fp32.
+        part = tl.sum(tl.where(mask, acc_dh * hidden.to(tl.float32), 0.0), axis=1)
+        tl.store(ds_parts + offs_m.to(tl.int64) * NHB + col_block, part, mask=mask_m)
+        # dW2 = (s * dOut)^T h is taken as dOut^T (s * h): the weight-gradient
+        # loop then feeds both operands to the tensor cores unmodified.
+        hidden = (hidden.to(tl.float32) * score[:, None]).to(out_ty)
+    tl.store(h + at, hidden, mask=mask)
+    grad = grad_lp.to(tl.float32)
+    tl.store(dh3 + at, (grad * act_lp.to(tl.float32)).to(out_ty), mask=mask)
+    grad_act = (grad * up_lp.to(tl.float32)).to(out_ty).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
     tl.store(dh1 + at, (grad_act * (sig * (1.0 + gate * (1.0 - sig)))).to(out_ty), mask=mask)
 
 
@@ -264,6 +333,8 @@ def dispatch_grad_hidden_kernel(
     dh1_ptr,  # (L, S, H) out
     dh3_ptr,  # (L, S, H) out
     h_rank_stride,
+    ds_parts_ptr,  # (L, S, NHB) fp32 out (scores after the experts)
+    ds_parts_rank_stride,
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64
     act_anchor,
@@ -296,6 +367,7 @@ def dispatch_grad_hidden_kernel(
     BT: tl.constexpr,
     BD: tl.constexpr,
     KP: tl.constexpr,
+    TWO_PASS: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
@@ -349,25 +421,25 @@ def dispatch_grad_hidden_kernel(
                         arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score),
                         w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
                         h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
-                        m0, m1, col_block * BN, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, PRECISION,
+                        ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
+                        m0, m1, col_block, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, TWO_PASS, PRECISION,
                     )
             task = next_task(control_ptr, _CTL_BWD_DH)
 
 
 @triton.jit
 def grad_input_tile(
-    h, dh1, dh3, w1, w2, w3, tokens, slot_copy, m0, m1, n0,
+    dh1, dh3, w1, w3, ds_parts, slot_copy, m0, m1, n0,
     arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32,
     off_token_arrivals, token_capacity,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
+    RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dA (and the score-gradient partial) of slots ``m0..m1``, columns
-    ``n0..n0+BN`` of D, sent to each row's source with one release arrival.
-    Two K-loops over H, one accumulator each (fewer live registers than one
-    loop with two): dA = dh1 @ w1 + dh3 @ w3, then (scores after the experts)
-    y = h @ w2^T for the partial ``<dOut, y>``."""
+    """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
+    ``dA = dh1 @ w1 + dh3 @ w3``), sent to each row's source with one release
+    arrival; scores after the experts, the column-block-0 tile also sends each
+    row's router-score gradient (its ``NHB`` partials summed in fp32)."""
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
     offs_m = m0 + tl.arange(0, BM)
@@ -403,35 +475,17 @@ def grad_input_tile(
     source = copy_id // per_rank
     row = (copy_id % per_rank).to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
-    out_ty = h.dtype.element_ty
     returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
-    tl.store(returned[:, None] + row[:, None] * (2 * DIM) + offs_n[None, :], acc.to(out_ty), mask=mask)
+    tl.store(returned[:, None] + row[:, None] * (2 * DIM) + offs_n[None, :], acc.to(dh1.dtype.element_ty),
+             mask=mask)
     if not SCORE_BEFORE:
-        # ds[t, k] = <dOut[t], y[t, k]>: this column block's share, y rounded as the forward's.
-        h_ptrs = offs_m[:, None].to(tl.int64) * HIDDEN + offs_k[None, :]
-        b2_ptrs = w2 + offs_n[None, :].to(tl.int64) * HIDDEN + offs_k[:, None]
-        acc_y = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(HIDDEN, BK)):
-            if EVEN_K:
-                hh = tl.load(h + h_ptrs, mask=mask_m[:, None], other=0.0)
-                if EVEN_N:
-                    b2 = tl.load(b2_ptrs)
-                else:
-                    b2 = tl.load(b2_ptrs, mask=mask_n[None, :], other=0.0)
-            else:
-                mask_k = offs_k < HIDDEN - k * BK
-                hh = tl.load(h + h_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b2 = tl.load(b2_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc_y = tl.dot(hh, b2, acc_y, input_precision=PRECISION)
-            h_ptrs += BK
-            b2_ptrs += BK
-        y = acc_y.to(out_ty).to(tl.float32)
-        token_row = (copy_id // TOP_K).to(tl.int64)
-        g = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_n[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg")
-        part = tl.sum(g.to(tl.float32) * y, axis=1)
-        parts = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, source, off_returned_f32)
-        tl.store(parts + row * RET_ROW_F32 + PARTS_AT_F32 + n0 // BN, part, mask=mask_m)
+        if n0 == 0:
+            offs_p = tl.arange(0, NHBP)
+            parts = tl.load(ds_parts + offs_m[:, None].to(tl.int64) * NHB + offs_p[None, :],
+                            mask=mask_m[:, None] & (offs_p < NHB)[None, :], other=0.0)
+            total = tl.sum(parts, axis=1)
+            ds = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, source, off_returned_f32)
+            tl.store(ds + row * RET_ROW_F32 + PARTS_AT_F32, total, mask=mask_m)
     tl.debug_barrier()
     arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
     tl.atomic_add(arrivals + row // TOP_K, 1, mask=mask_m, sem="release", scope="sys")
@@ -469,7 +523,8 @@ def _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score, dh1
 def _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, hp, offs_h, mask_h, offs_d, mask_d,
                  DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
                  EVEN: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += dY[m0:m0+BR, d]^T h[m0:m0+BR, h], rows below ``hi``."""
+    """acc += dOut[m0:m0+BR, d]^T h[m0:m0+BR, h], rows below ``hi`` (``h``
+    holds ``s * h`` when scores come after the experts, see ``grad_hidden_tile``)."""
     offs_m = m0 + offs_r
     mask_m = offs_m < hi
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
@@ -483,20 +538,17 @@ def _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, hp, offs_h,
         dy = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_d[None, :],
                      mask=mask_m[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
         hh = tl.load(hp + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-    if not SCORE_BEFORE:
-        score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
-        dy = (dy.to(tl.float32) * score[:, None]).to(dy.dtype)
     return tl.dot(tl.trans(dy), hh, acc, input_precision=PRECISION)
 
 
 @triton.jit
 def weight_grad_task(
-    task, tasks_w13, rank_base, expert_offsets_ptr, expert_rank_stride, h_ptr, dh1_ptr, dh3_ptr, h_rank_stride,
+    task, tasks_w13, rank_base, route_tables_ptr, h_ptr, dh1_ptr, dh3_ptr, h_rank_stride,
     dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
     off_tokens, off_slot_copy, off_slot_score,
-    NUM_LOCAL: tl.constexpr, NUM_EXPERTS_LOCAL: tl.constexpr, DIM: tl.constexpr, HIDDEN: tl.constexpr,
-    TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr, BR: tl.constexpr,
-    WG: tl.constexpr, WSTAGES: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_LOCAL: tl.constexpr, NUM_EXPERTS_LOCAL: tl.constexpr, NUM_EXPERTS: tl.constexpr, DIM: tl.constexpr,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr,
+    BR: tl.constexpr, WG: tl.constexpr, WSTAGES: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (rank, expert, H block of ``WH``, ``WG`` consecutive D blocks of
     ``WD``) of dW1 and dW3 (tasks below ``tasks_w13``) or of dW2, each output
@@ -516,8 +568,10 @@ def weight_grad_task(
     per_expert = hb * dgroups
     expert = rank_task // per_expert
     block = rank_task % per_expert
-    lo = tl.load(expert_offsets_ptr + local * expert_rank_stride + expert)
-    hi = tl.load(expert_offsets_ptr + local * expert_rank_stride + expert + 1)
+    # This expert's slots on this rank: [first slot, + rows) from the route tables.
+    tables = route_tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + expert
+    lo = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS)
+    hi = lo + tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
     tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens)
     slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
     slot_score = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score)
@@ -554,7 +608,7 @@ def weight_grad_task(
                 tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
                 tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
             else:
-                # dW2[e][d, h] = sum_m dY[m, d] h[m, h]: out (D, H).
+                # dW2[e][d, h] = sum_m dOut[m, d] (s h)[m, h] (scores after; dOut h before): out (D, H).
                 acc = tl.zeros((WD, WH), dtype=tl.float32)
                 if INTERPRET:
                     m0 = lo
@@ -577,7 +631,7 @@ def reduce_grad_task(
     task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
     x_ptr, x_rank_stride, dx_ptr, ds_ptr, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
     off_returned, off_returned_f32, off_token_arrivals, arrivals_per_token, timeout,
-    NUM_PARTS: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
+    DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
@@ -622,10 +676,9 @@ def reduce_grad_task(
                         acc += da
                 tl.store(dx_ptr + tok + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
             if not SCORE_BEFORE:
-                parts = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_returned_f32)
+                returned_f32 = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_returned_f32)
                 at = (rows[:, None] + offs_k[None, :]) * RET_ROW_F32 + PARTS_AT_F32
-                for p in range(0, NUM_PARTS):
-                    ds += tl.load(parts + at + p, mask=mask_tk, other=0.0, cache_modifier=".cg")
+                ds = tl.load(returned_f32 + at, mask=mask_tk, other=0.0, cache_modifier=".cg")
             tl.store(ds_ptr + route, ds, mask=mask_tk)
 
 
@@ -647,8 +700,9 @@ def grad_input_combine_kernel(
     tile_end_ptr,
     tile_rank_stride,
     num_tiles_ptr,  # (L,) int32
-    expert_offsets_ptr,  # (L, El + 1) int32
-    expert_rank_stride,
+    route_tables_ptr,  # (L, 5, E) int32
+    ds_parts_ptr,  # (L, S, NHB) fp32 (scores after the experts)
+    ds_parts_rank_stride,
     scores_ptr,  # (L, T, K) fp32
     route_rank_stride,
     num_tokens_ptr,  # (L,) int32
@@ -677,6 +731,7 @@ def grad_input_combine_kernel(
     timeout,
     NUM_LOCAL: tl.constexpr,
     NUM_EXPERTS_LOCAL: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
     DIM: tl.constexpr,
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -684,6 +739,8 @@ def grad_input_combine_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    NHB: tl.constexpr,  # column blocks of the dH tiles (score partials per slot)
+    NHBP: tl.constexpr,  # next power of two >= NHB
     WH: tl.constexpr,
     WD: tl.constexpr,
     BR: tl.constexpr,
@@ -721,13 +778,13 @@ def grad_input_combine_kernel(
                     weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                     hidden_at = local.to(tl.int64) * h_rank_stride
                     grad_input_tile(
-                        h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
-                        w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
-                        arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens),
+                        dh1_ptr + hidden_at, dh3_ptr + hidden_at, w1_ptr + weights, w3_ptr + weights,
+                        ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
                         arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
                         m0, m1, col_block * BN, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
                         off_returned, off_returned_f32, off_token_arrivals, token_capacity,
-                        DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, RET_ROW_F32, PARTS_AT_F32, PRECISION,
+                        DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
+                        RET_ROW_F32, PARTS_AT_F32, PRECISION,
                     )
             task = next_task(control_ptr, _CTL_BWD_DA)
 
@@ -738,11 +795,11 @@ def grad_input_combine_kernel(
         while task < total:
             if has_failed(control_ptr + (task % NUM_LOCAL) * _CONTROL_WORDS) == 0:
                 weight_grad_task(
-                    task, tasks_w13, rank_base, expert_offsets_ptr, expert_rank_stride, h_ptr, dh1_ptr, dh3_ptr,
+                    task, tasks_w13, rank_base, route_tables_ptr, h_ptr, dh1_ptr, dh3_ptr,
                     h_rank_stride, dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor,
                     i32_anchor, f32_anchor, anchor_rank, off_tokens, off_slot_copy, off_slot_score,
-                    NUM_LOCAL, NUM_EXPERTS_LOCAL, DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, WG, WSTAGES,
-                    PRECISION, INTERPRET,
+                    NUM_LOCAL, NUM_EXPERTS_LOCAL, NUM_EXPERTS, DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, WG,
+                    WSTAGES, PRECISION, INTERPRET,
                 )
             task = next_task(control_ptr, _CTL_BWD_WGRAD)
 
@@ -758,77 +815,6 @@ def grad_input_combine_kernel(
                 task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
                 x_ptr, x_rank_stride, dx_ptr, ds_ptr, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
                 off_returned, off_returned_f32, off_token_arrivals, TOP_K * col_blocks, timeout,
-                (DIM + BN - 1) // BN, DIM, TOP_K, SCORE_BEFORE, BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER,
+                DIM, TOP_K, SCORE_BEFORE, BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER,
             )
             task = next_task(control_ptr, _CTL_BWD_REDUCE)
-
-
-@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout"])
-def exchange_backward_counts_kernel(
-    counts_ptr,  # (L, E) int64: this call's copies per global expert, per local rank
-    counts_all_ptr,  # (L, W, E) int64 out: the exchanged table, identical on every rank
-    control_ptr,  # (L, CONTROL_WORDS) int64
-    arena_ptrs,  # (W,) int64
-    i64_anchor,
-    i32_anchor,
-    anchor_rank,
-    rank_base,
-    off_counts,  # int64 element offset of the (2, W, E) count tables
-    off_count_flags,  # int64 element offset of the (2, W) flags
-    off_tile_arrivals,  # int32 element offset of (C,)
-    off_token_arrivals,  # int32 element offset of (T_cap,)
-    timeout,
-    WORLD: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
-    TILE_CAPACITY: tl.constexpr,
-    TOKEN_CAPACITY: tl.constexpr,
-    PUBLISH: tl.constexpr,
-    COLLECT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_TIMER: tl.constexpr,
-):
-    """The backward's own counts exchange (one program per local rank), with
-    the forward's protocol (``sync.exchange_counts_kernel`` as of the first
-    forward): PUBLISH zeroes this rank's arrival and task counters (every
-    peer bump of its previous call has landed: it waited for all of them),
-    bumps the epoch, writes its counts into every rank's table
-    ``[epoch % 2][rank]`` and releases its flag there; COLLECT waits (bounded)
-    for every rank's flag of this epoch and copies the table out."""
-    local = tl.program_id(0)
-    rank = rank_base + local
-    control = control_ptr + local * _CONTROL_WORDS
-    offs = tl.arange(0, BLOCK)
-    if PUBLISH:
-        tile_arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_arrivals)
-        for i in range(0, TILE_CAPACITY, BLOCK):
-            tl.store(tile_arrivals + i + offs, 0, mask=i + offs < TILE_CAPACITY)
-        token_arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals)
-        for i in range(0, TOKEN_CAPACITY, BLOCK):
-            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_CAPACITY)
-        tl.store(control + offs, 0, mask=offs < _NUM_BWD_COUNTERS)
-        epoch = tl.load(control + _CTL_BWD_EPOCH) + 1
-        tl.store(control + _CTL_BWD_EPOCH, epoch)
-        parity = epoch % 2
-        for peer in range(WORLD):
-            table = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, peer, off_counts)
-            row = table + (parity * WORLD + rank) * NUM_EXPERTS
-            for e in range(0, NUM_EXPERTS, BLOCK):
-                value = tl.load(counts_ptr + local * NUM_EXPERTS + e + offs, mask=e + offs < NUM_EXPERTS)
-                tl.store(row + e + offs, value, mask=e + offs < NUM_EXPERTS)
-        tl.debug_barrier()
-        for peer in range(WORLD):
-            flags = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, peer, off_count_flags)
-            tl.atomic_xchg(flags + parity * WORLD + rank, epoch, sem="release", scope="sys")
-    if COLLECT:
-        epoch = tl.load(control + _CTL_BWD_EPOCH)
-        parity = epoch % 2
-        flags = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, rank, off_count_flags) + parity * WORLD
-        for source in range(WORLD):
-            seen = wait_counter_at_least(flags + source, epoch, timeout, USE_TIMER)
-            if seen < epoch:
-                record_failure(control, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen)
-        table = arena_ptr(i64_anchor, arena_ptrs, anchor_rank, rank, off_counts) + parity * WORLD * NUM_EXPERTS
-        total: tl.constexpr = WORLD * NUM_EXPERTS
-        for i in range(0, total, BLOCK):
-            value = tl.load(table + i + offs, mask=i + offs < total, cache_modifier=".cg")
-            tl.store(counts_all_ptr + local * total + i + offs, value, mask=i + offs < total)
