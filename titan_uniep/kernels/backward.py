@@ -247,10 +247,8 @@ def grad_hidden_tile(
             b3_ptrs += BK
         # Parked in this tile's dh1 / dh3 (overwritten below): h1 and h3 held
         # in registers across the second loop would spill.
-        park1 = tl.make_block_ptr(dh1, (m1, HIDDEN), (HIDDEN, 1), (m0, col_block * BN), (BM, BN), (1, 0))
-        park3 = tl.make_block_ptr(dh3, (m1, HIDDEN), (HIDDEN, 1), (m0, col_block * BN), (BM, BN), (1, 0))
-        tl.store(park1, acc1.to(out_ty), boundary_check=(0, 1))
-        tl.store(park3, acc3.to(out_ty), boundary_check=(0, 1))
+        gate_lp = acc1.to(out_ty)
+        up_lp = acc3.to(out_ty)
         # Pointers of the second loop built only now (fewer live registers).
         dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
         b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
@@ -260,9 +258,7 @@ def grad_hidden_tile(
             acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
             dy_ptrs += BK
             b2_ptrs += BK * HIDDEN
-        tl.debug_barrier()  # the parked values, stored by other threads of this program
-        gate_lp = tl.load(park1, boundary_check=(0, 1), padding_option="zero")
-        up_lp = tl.load(park3, boundary_check=(0, 1), padding_option="zero")
+
     else:
         b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
         for k in range(0, tl.cdiv(DIM, BK)):
@@ -520,9 +516,9 @@ def _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score, dh1
 
 
 @triton.jit
-def _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, hp, offs_h, mask_h, offs_d, mask_d,
-                 DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-                 EVEN: tl.constexpr, PRECISION: tl.constexpr):
+def _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h, offs_d, mask_d,
+                 DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, EVEN: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """acc += dOut[m0:m0+BR, d]^T h[m0:m0+BR, h], rows below ``hi`` (``h``
     holds ``s * h`` when scores come after the experts, see ``grad_hidden_tile``)."""
     offs_m = m0 + offs_r
@@ -553,9 +549,9 @@ def weight_grad_task(
     """One (rank, expert, H block of ``WH``, ``WG`` consecutive D blocks of
     ``WD``) of dW1 and dW3 (tasks below ``tasks_w13``) or of dW2, each output
     block accumulated over every row of the expert in slot order, ``BR`` rows
-    a step (a software-pipelined loop on the GPU; the interpreter, which
-    cannot run a loop with loaded bounds, runs the same steps in a while
-    loop)."""
+    a step (one software-pipelined loop over all blocks and steps on the GPU;
+    the interpreter, which cannot run a loop with loaded bounds, runs the same
+    steps in a while loop)."""
     EVEN: tl.constexpr = (HIDDEN % WH == 0) & (DIM % WD == 0)
     local = task % NUM_LOCAL
     rank = rank_base + local
@@ -580,50 +576,101 @@ def weight_grad_task(
     offs_r = tl.arange(0, BR)
     offs_h = (block // dgroups) * WH + tl.arange(0, WH)
     mask_h = offs_h < HIDDEN
-    for j in range(0, WG):
-        d_block = (block % dgroups) * WG + j
-        if d_block < db:
-            offs_d = d_block * WD + tl.arange(0, WD)
-            mask_d = offs_d < DIM
-            if is_w13:
-                # dW1[e][h, d] = sum_m dh1[m, h] a[m, d] (dW3 alike): out (H, D).
-                acc1 = tl.zeros((WH, WD), dtype=tl.float32)
-                acc3 = tl.zeros((WH, WD), dtype=tl.float32)
-                if INTERPRET:
-                    m0 = lo
-                    while m0 < hi:
-                        acc1, acc3 = _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score,
-                                                   dh1_ptr + hidden_at, dh3_ptr + hidden_at, offs_h, mask_h,
-                                                   offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
-                                                   PRECISION)
-                        m0 += BR
+    first = (block % dgroups) * WG
+    num_blocks = tl.minimum(WG, db - first)
+    steps = tl.cdiv(hi - lo, BR)
+    dh1 = dh1_ptr + hidden_at
+    dh3 = dh3_ptr + hidden_at
+    hp = h_ptr + hidden_at
+    # One flat loop over (D block, row step): the software pipeline runs on
+    # from one output block into the next instead of refilling per block
+    # (an expert has few rows: ~256 on deepseek-like shapes, 4 steps).
+    total = num_blocks * steps
+    if is_w13:
+        # dW1[e][h, d] = sum_m dh1[m, h] a[m, d] (dW3 alike): out (H, D).
+        acc1 = tl.zeros((WH, WD), dtype=tl.float32)
+        acc3 = tl.zeros((WH, WD), dtype=tl.float32)
+        if INTERPRET:
+            it = 0
+            while it < total:
+                acc1, acc3 = _wgrad13_step(acc1, acc3, it, steps, first, lo, hi, offs_r, tokens, slot_copy,
+                                           slot_score, dh1, dh3, offs_h, mask_h, dw1_ptr, dw3_ptr, weights,
+                                           DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, EVEN, PRECISION)
+                it += 1
+        else:
+            for it in tl.range(0, total, num_stages=WSTAGES):
+                acc1, acc3 = _wgrad13_step(acc1, acc3, it, steps, first, lo, hi, offs_r, tokens, slot_copy,
+                                           slot_score, dh1, dh3, offs_h, mask_h, dw1_ptr, dw3_ptr, weights,
+                                           DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, EVEN, PRECISION)
+    else:
+        # dW2[e][d, h] = sum_m dOut[m, d] (s h)[m, h] (scores after; dOut h before): out (D, H).
+        acc = tl.zeros((WD, WH), dtype=tl.float32)
+        if INTERPRET:
+            it = 0
+            while it < total:
+                acc = _wgrad2_step(acc, it, steps, first, lo, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h,
+                                   dw2_ptr, weights, DIM, HIDDEN, TOP_K, WH, WD, BR, EVEN, PRECISION)
+                it += 1
+        else:
+            for it in tl.range(0, total, num_stages=WSTAGES):
+                acc = _wgrad2_step(acc, it, steps, first, lo, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h,
+                                   dw2_ptr, weights, DIM, HIDDEN, TOP_K, WH, WD, BR, EVEN, PRECISION)
+    if steps == 0:  # an expert without rows: zero gradients
+        for j in range(0, WG):
+            if j < num_blocks:
+                offs_d = (first + j) * WD + tl.arange(0, WD)
+                mask_d = offs_d < DIM
+                if is_w13:
+                    out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
+                    mask = mask_h[:, None] & mask_d[None, :]
+                    zero = tl.zeros((WH, WD), dtype=dw1_ptr.dtype.element_ty)
+                    tl.store(dw1_ptr + out, zero, mask=mask)
+                    tl.store(dw3_ptr + out, zero, mask=mask)
                 else:
-                    for m0 in tl.range(lo, hi, BR, num_stages=WSTAGES):
-                        acc1, acc3 = _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score,
-                                                   dh1_ptr + hidden_at, dh3_ptr + hidden_at, offs_h, mask_h,
-                                                   offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
-                                                   PRECISION)
-                out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
-                mask = mask_h[:, None] & mask_d[None, :]
-                tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
-                tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
-            else:
-                # dW2[e][d, h] = sum_m dOut[m, d] (s h)[m, h] (scores after; dOut h before): out (D, H).
-                acc = tl.zeros((WD, WH), dtype=tl.float32)
-                if INTERPRET:
-                    m0 = lo
-                    while m0 < hi:
-                        acc = _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, h_ptr + hidden_at,
-                                           offs_h, mask_h, offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
-                                           PRECISION)
-                        m0 += BR
-                else:
-                    for m0 in tl.range(lo, hi, BR, num_stages=WSTAGES):
-                        acc = _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, slot_score, h_ptr + hidden_at,
-                                           offs_h, mask_h, offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN,
-                                           PRECISION)
-                out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-                tl.store(dw2_ptr + out, acc.to(dw2_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_h[None, :])
+                    out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+                    tl.store(dw2_ptr + out, tl.zeros((WD, WH), dtype=dw2_ptr.dtype.element_ty),
+                             mask=mask_d[:, None] & mask_h[None, :])
+
+
+@triton.jit
+def _wgrad13_step(acc1, acc3, it, steps, first, lo, hi, offs_r, tokens, slot_copy, slot_score, dh1, dh3, offs_h,
+                  mask_h, dw1_ptr, dw3_ptr, weights, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+                  SCORE_BEFORE: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr, BR: tl.constexpr,
+                  EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """Step ``it`` of the flat (D block, row step) loop of dW1/dW3: rows
+    ``lo + step * BR``; the last step of a block stores it and restarts."""
+    j = it // steps
+    step = it - j * steps
+    offs_d = (first + j) * WD + tl.arange(0, WD)
+    mask_d = offs_d < DIM
+    acc1, acc3 = _wgrad13_rows(acc1, acc3, lo + step * BR, hi, offs_r, tokens, slot_copy, slot_score, dh1, dh3,
+                               offs_h, mask_h, offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN, PRECISION)
+    if step == steps - 1:
+        out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
+        mask = mask_h[:, None] & mask_d[None, :]
+        tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
+        acc1 = tl.zeros((WH, WD), dtype=tl.float32)
+        acc3 = tl.zeros((WH, WD), dtype=tl.float32)
+    return acc1, acc3
+
+
+@triton.jit
+def _wgrad2_step(acc, it, steps, first, lo, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h, dw2_ptr, weights,
+                 DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr,
+                 BR: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """Step ``it`` of the flat loop of dW2 (see ``_wgrad13_step``)."""
+    j = it // steps
+    step = it - j * steps
+    offs_d = (first + j) * WD + tl.arange(0, WD)
+    mask_d = offs_d < DIM
+    acc = _wgrad2_rows(acc, lo + step * BR, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h, offs_d, mask_d,
+                       DIM, HIDDEN, TOP_K, EVEN, PRECISION)
+    if step == steps - 1:
+        out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
+        tl.store(dw2_ptr + out, acc.to(dw2_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_h[None, :])
+        acc = tl.zeros((WD, WH), dtype=tl.float32)
+    return acc
 
 
 @triton.jit
