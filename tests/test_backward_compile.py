@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
-# ptxas spill bytes allowed at the default tiles: scores after the experts
-# (qwen3, deepseek_v3) hardly spill; scores before scale the gathered rows of
-# the weight-gradient loop in registers.
-MAX_SPILL_BYTES = {False: 64, True: 256}
+# ptxas spill bytes allowed at the default tiles, per megakernel: the
+# two-pass dH tile (BA) spills ~0.5 KB at 128 columns and was measured faster
+# than the spill-free 64-column tile (fused_backward.BACKWARD_TILES); BB
+# hardly spills (scores before the experts scale the gathered rows of the
+# weight-gradient loop in registers: a little more).
+MAX_SPILL_BYTES = {"BA": 1024, "BB": 512}
 MAX_SHARED_BYTES = 227 * 1024
 
 
@@ -89,13 +91,13 @@ def compile_all() -> None:
                                 options=dict(num_warps=num_warps, num_stages=num_stages))
         return kernel
 
-    def check(kernel, what, gemm_loops, even, score_before):
+    def check(kernel, what, gemm_loops, even):
         ttgir = kernel.asm["ttgir"]
         assert "warp_group_dot" in ttgir, f"{what}: no wgmma"
         regs, spills = ptxas_usage(kernel.asm["ptx"])
         shared = kernel.metadata.shared
         print(f"{what}: {regs} registers, {spills} B spilled, {shared} B shared memory")
-        assert spills <= MAX_SPILL_BYTES[score_before], f"{what}: ptxas spills {spills} bytes"
+        assert spills <= MAX_SPILL_BYTES[what[:2]], f"{what}: ptxas spills {spills} bytes"
         assert shared <= MAX_SHARED_BYTES, f"{what}: {shared} B of shared memory"
         if even:
             pipelined = [b for b in loops(ttgir) if "warp_group_dot " in b and "async_copy_global_to_local" in b]
@@ -120,7 +122,7 @@ def compile_all() -> None:
             kernel = build(dispatch_grad_hidden_kernel, ba, dict(NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16,
                                                                   BD=512, TWO_PASS=bool(blocks["dh_two_pass"]),
                                                                   **shape))
-            check(kernel, f"BA (dispatch + dH) {what}", 1 + blocks["dh_two_pass"], even, score_before)
+            check(kernel, f"BA (dispatch + dH) {what}", 1 + blocks["dh_two_pass"], even)
             nhb = -(-hidden // blocks["dh"])
             kernel = build(grad_input_combine_kernel, bb, dict(
                 NUM_LOCAL=1, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, NHB=nhb, NHBP=triton.next_power_of_2(nhb),
@@ -128,7 +130,7 @@ def compile_all() -> None:
                 BR=blocks["wgrad_rows"], WG=blocks["wgrad_group"], WSTAGES=blocks["stages"], BT=16, BD=256,
                 RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, INTERPRET=False, **shape))
             # dA, dW1/dW3 and dW2.
-            check(kernel, f"BB (dA + wgrad + reduce) {what}", 3, even, score_before)
+            check(kernel, f"BB (dA + wgrad + reduce) {what}", 3, even)
     print("COMPILED OK")
 
 

@@ -296,18 +296,21 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 # KernelConfig (only its layout tile ``block_m`` is shared):
 # - ``dh``: columns of H of the dH tile; ``dh_two_pass``: 1: one K-loop for
 #   h1 and h3, then one for G (two, then one, 128 x ``dh`` accumulators;
-#   at ``dh`` = 128 ptxas spills ~600-800 B), 0: one loop with all three
-#   (at ``dh`` = 64: no spills);
-#   ``bk``: the K step of dH and dA;
+#   the gathered rows are read twice), 0: one loop with all three (then
+#   ``dh`` <= 64 fits the registers); ``bk``: the K step of dH and dA;
 # - ``da``: columns of D of the dA tile (one accumulator);
 # - ``wgrad_h`` x ``wgrad_d``: a weight-gradient output block (dW1 and dW3
 #   together: two accumulators; dW2 transposed), ``wgrad_rows`` rows a step,
-#   ``wgrad_group`` D blocks per task (one task-counter claim per group);
+#   ``wgrad_group`` D blocks per task, run as one pipelined loop;
 # - ``stages``: software-pipelining depth of every GEMM loop; ``warps``.
-# ptxas for sm_90 at block_m = 128 (tests/test_backward_compile.py prints it):
-# <= 255 registers, <= 64 B spilled, at most 227 KB of shared memory.
-BACKWARD_TILES = dict(dh=64, dh_two_pass=0, da=128, bk=64, wgrad_h=128, wgrad_d=128, wgrad_rows=64, wgrad_group=4,
-                      stages=3, warps=8)
+# Chosen on 2 x H200 (docs/performance.md, "Backward, run 4": fused backward
+# qwen3-like 5.67 -> 4.98 ms, deepseek-like 28.4 -> 25.2 ms against
+# dh=64 one-pass, wgrad_rows=64, wgrad_group=4). ptxas for sm_90 at
+# block_m = 128 (tests/test_backward_compile.py prints it): 255 registers;
+# the two-pass dH tile spills ~0.5 KB (faster all the same), at most 227 KB
+# of shared memory.
+BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, wgrad_h=128, wgrad_d=128, wgrad_rows=128,
+                      wgrad_group=8, stages=3, warps=8)
 
 
 def backward_block_sizes(cfg: KernelConfig) -> dict[str, int]:

@@ -9,8 +9,11 @@ Training itself is ``torchtitan.train.main`` unchanged; this adds:
   ``{"step": N, "loss": L, "max_loss": M, "grad_norm": G, "time": T}``, where L
   is the exact float TorchTitan prints with 5 decimals (global average loss
   over all valid tokens of the step), M the largest per-rank average, and T
-  the seconds since the trainer finished building. ``python -m
-  titan_uniep.compare_loss RUN_A RUN_B`` compares two such files.
+  the seconds since the trainer finished building. On a GPU each line also
+  has rank 0's ``mem_allocated`` (bytes held after the step) and
+  ``mem_peak`` (peak allocated bytes since the previous logged step).
+  ``python -m titan_uniep.compare_loss RUN_A RUN_B`` compares two such files;
+  ``python -m titan_uniep.memory_flat RUN`` checks that memory stays flat.
 """
 
 from __future__ import annotations
@@ -44,20 +47,27 @@ class LossRecordingTrainer(Trainer):
         log = self.metrics_processor.log
 
         def log_and_record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            memory = _memory()  # before log(), which resets the peak statistics
             log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-            self._record(step, global_avg_loss, global_max_loss, grad_norm)
+            self._record(step, global_avg_loss, global_max_loss, grad_norm, memory)
 
         self.metrics_processor.log = log_and_record
 
-    def _record(self, step: int, loss: float, max_loss: float, grad_norm: float) -> None:
+    def _record(self, step: int, loss: float, max_loss: float, grad_norm: float, memory: dict) -> None:
         # Step 1 starts a fresh file, so rerunning into the same dump folder
         # does not mix two runs; a run resumed from a checkpoint appends.
         mode = "w" if step == 1 else "a"
         os.makedirs(os.path.dirname(self._loss_path) or ".", exist_ok=True)
         line = {"step": step, "loss": float(loss), "max_loss": float(max_loss),
-                "grad_norm": float(grad_norm), "time": round(time.perf_counter() - self._start, 4)}
+                "grad_norm": float(grad_norm), "time": round(time.perf_counter() - self._start, 4), **memory}
         with open(self._loss_path, mode, encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _memory() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    return {"mem_allocated": torch.cuda.memory_allocated(), "mem_peak": torch.cuda.max_memory_allocated()}
 
 
 def main() -> None:
