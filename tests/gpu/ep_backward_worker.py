@@ -1,5 +1,7 @@
 """Real 2-GPU check of the UniEP backward (run with torchrun, one process per GPU):
-fused == sequential bitwise for every gradient and run to run, close to float64.
+fused == sequential bitwise for every gradient and run to run, close to float64,
+and the fused backward never synchronises with the host (a call under
+``torch.cuda.set_sync_debug_mode("error")``, after one warm call).
 
     torchrun --standalone --nproc_per_node 2 tests/gpu/ep_backward_worker.py
 """
@@ -44,6 +46,23 @@ def main() -> None:
             outs[schedule] = moe_backward(gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(),
                                           w2[mine].contiguous(), w3[mine].contiguous(), workspace=ws,
                                           schedule=schedule.replace("_again", ""), score_before_experts=score_before)
+        # The fused backward (route kernels, megakernels, lazy error poll) never syncs.
+        args = (gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
+                w3[mine].contiguous())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe_backward(*args, workspace=ws, schedule="fused", score_before_experts=score_before)
+            no_sync = True
+        except RuntimeError as exc:
+            no_sync = False
+            print(f"rank {rank} case {case}: host sync in the fused backward: {exc}", flush=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        ws.check_errors()
+        failures += not no_sync
+        print(f"rank {rank} case {case} no host sync: {'PASS' if no_sync else 'FAIL'}", flush=True)
         # float64: every rank's tokens (weight grads sum over all of them).
         leaves = [t.double().requires_grad_() for t in (w1, w2, w3)]
         ref_x = ref_s = None
