@@ -303,8 +303,8 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 #   together: two accumulators; dW2 transposed), ``wgrad_rows`` rows a step,
 #   ``wgrad_group`` D blocks per task, run as one pipelined loop;
 # - ``stages``: software-pipelining depth of every GEMM loop; ``warps``.
-# Chosen on 2 x H200 (docs/performance.md, "Backward, run 4": fused backward
-# qwen3-like 5.67 -> 4.98 ms, deepseek-like 28.4 -> 25.2 ms against
+# Chosen on 2 x H200 (docs/performance.md, "Backward, runs 3-7", run 5: fused
+# backward qwen3-like 5.67 -> 4.98 ms, deepseek-like 28.4 -> 25.2 ms against
 # dh=64 one-pass, wgrad_rows=64, wgrad_group=4). ptxas for sm_90 at
 # block_m = 128 (tests/test_backward_compile.py prints it): 255 registers;
 # the two-pass dH tile spills ~0.5 KB (faster all the same), at most 227 KB

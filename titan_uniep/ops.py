@@ -9,9 +9,10 @@ compiles) and lets selective activation checkpointing save its output
 
 Backward: the backward megakernels of ``titan_uniep.fused_backward`` with
 the same schedule as the forward. The op saves only its inputs; the backward
-re-dispatches x next to the output gradient and recomputes h1, h3 (and y for
-the score gradient). Every gradient is bitwise equal across ``sequential``
-and ``fused``.
+re-dispatches x next to the output gradient and recomputes h1 and h3 (the
+score gradient needs no fc2: ``<dOut, y> = <dOut @ w2, h>``). Every gradient
+is bitwise equal across ``sequential`` and ``fused``; the fused backward does
+not synchronise with the host (errors are polled lazily).
 
 Workspaces: one forward and one backward workspace per (EP group, layer
 shape, dtype, device), built on first use (a collective: every EP rank
