@@ -77,12 +77,12 @@ class BackwardWorkspace:
     ``returned`` rows hold dA and the fp32 router-score gradient; its route
     arrays hold the call's layout), plus local ``dh1``/``dh3`` ``(L, S, H)``
     next to its ``h`` and the router-score partials ``ds_parts``
-    ``(L, S, cdiv(H, 64))`` fp32.
+    ``(L, S, cdiv(H, dh))`` fp32 (``dh`` the dH tile width, ``BACKWARD_TILES``).
 
     Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
     element): symmetric ``2 * W * T * D * b`` (token rows) + ``2 * T * K * D * b``
     (returned) + small index/flag buffers; local ``3 * S * H * b`` +
-    ``4 * S * cdiv(H, 64)`` + the route arrays. Build it before CUDA-graph
+    ``4 * S * cdiv(H, dh)`` + the route arrays. Build it before CUDA-graph
     capture; reuse it for every layer and step.
     """
 
