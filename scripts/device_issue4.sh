@@ -53,7 +53,7 @@ else
         echo "== AC $ac vs none"; python3 -m titan_uniep.compare_loss "$OUT/d-fused" "$OUT/d-fused-ac$ac" --assert-bitwise | tail -1
     done
     echo "== baseline vs fused"; python3 -m titan_uniep.compare_loss "$OUT/d-base" "$OUT/d-fused" --rtol 2e-2 | tail -3
-    echo "== compile vs eager (20 steps)"; python3 -m titan_uniep.compare_loss "$OUT/d-fused" "$OUT/d-fused-compile" --rtol 1e-2 | tail -2
+    echo "== compile vs eager (20 steps)"; python3 -m titan_uniep.compare_loss "$OUT/d-fused" "$OUT/d-fused-compile" --max-step 20 --rtol 1e-2 | tail -2
     for run in d-fused d-fused-acfull d-fused-acselective d-base; do
         python3 -m titan_uniep.memory_flat "$OUT/$run" --skip 5
     done

@@ -98,6 +98,12 @@ def test_different_step_sets_exit_two(tmp_path, capsys):
     assert "only in a: [3]" in capsys.readouterr().err
 
 
+def test_max_step_compares_a_short_run_with_the_start_of_a_long_one(tmp_path, capsys):
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", LOSSES[:2])
+    assert run_main(a, b, "--max-step", "2", "--assert-bitwise", "--plot", tmp_path / "p.png") == 0
+    assert "verdict: bitwise equal" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("make_b", ["empty_dump", "log_without_steps", "missing"])
 def test_nothing_to_compare_exits_two(tmp_path, make_b):
     a = write_dump(tmp_path / "a", LOSSES)

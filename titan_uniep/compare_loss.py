@@ -1,7 +1,7 @@
 """Compare the loss curves of two training runs, step by step.
 
     python -m titan_uniep.compare_loss RUN_A RUN_B [--assert-bitwise]
-        [--rtol X] [--atol X] [--plot out.png] [--labels A B]
+        [--rtol X] [--atol X] [--max-step N] [--plot out.png] [--labels A B]
 
 A run is a dump folder (its ``loss.jsonl``, written by ``titan_uniep.train``:
 exact float losses) or a file: a ``loss.jsonl`` or a TorchTitan log, whose
@@ -13,7 +13,8 @@ verdict, and writes a plot of both curves and their difference (default:
 ``loss_compare.png`` next to RUN_B). Exit status: 0 when the runs agree as
 asked, 1 when they differ beyond ``--assert-bitwise`` / ``--rtol`` /
 ``--atol``, 2 when they cannot be compared (no losses, different steps, or
-``--assert-bitwise`` on a log).
+``--assert-bitwise`` on a log). ``--max-step N`` compares steps 1..N only
+(e.g. a short run against the start of a longer one).
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--atol", type=float, help="absolute part of that bound (default 0)")
     parser.add_argument("--plot", type=Path, help=f"PNG to write (default: {PLOT_FILE} next to RUN_B)")
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names for the two runs")
+    parser.add_argument("--max-step", type=int, help="compare steps up to this one only")
     args = parser.parse_args(argv)
 
     try:
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.max_step is not None:
+        for run in (a, b):
+            run.losses = {step: loss for step, loss in run.losses.items() if step <= args.max_step}
     labels = tuple(args.labels) if args.labels else (Path(args.run_a).name or "A", Path(args.run_b).name or "B")
     result = compare(a, b)
 
