@@ -128,9 +128,10 @@ def test_backward_fused_matches_sequential_bitwise_and_references(world, num_exp
 
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-def test_backward_two_pass_dh_tiles(score_before, monkeypatch):
-    """The dH tile's other shape (h1/h3 loop, then the dOut @ w2 loop, h1/h3
-    parked in dh1/dh3 between them): correct and bitwise across schedules."""
+def test_backward_other_dh_tile_shape(score_before, monkeypatch):
+    """The dH tile shape the defaults do not use (one loop for h1, h3 and
+    dOut @ w2 when the default runs two, and the other way round): correct
+    and bitwise across schedules."""
     from titan_uniep import fused_backward
 
     monkeypatch.setitem(fused_backward.BACKWARD_TILES, "dh_two_pass", 1 - fused_backward.BACKWARD_TILES["dh_two_pass"])
