@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -53,6 +54,19 @@ class LossRecordingTrainer(Trainer):
 
         self.metrics_processor.log = log_and_record
 
+    def train(self) -> None:
+        super().train()
+        self._finished = True
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_finished", False) and not torch.cuda.is_available() and torch.distributed.is_initialized():
+            # gloo, after a finished run only: ranks tear down together
+            # (TorchTitan destroys the process group next); a rank whose peer
+            # already closed its connections can abort (SIGABRT) in gloo. The
+            # wait is bounded by the process group's timeout.
+            torch.distributed.barrier()
+
     def _record(self, step: int, loss: float, max_loss: float, grad_norm: float, memory: dict) -> None:
         # Step 1 starts a fresh file, so rerunning into the same dump folder
         # does not mix two runs; a run resumed from a checkpoint appends.
@@ -77,6 +91,12 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     apply_cpu_shims()
     torchtitan_main(LossRecordingTrainer)
+    if not torch.cuda.is_available():
+        # Training finished and the process group is gone; skip the C++ static
+        # destructors, where gloo has aborted (SIGABRT) after a complete run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
