@@ -142,6 +142,40 @@ def test_backward_other_dh_tile_shape(score_before, monkeypatch):
     assert_correct(w, seq, fus, score_before=score_before)
 
 
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+def test_backward_with_h1_h3_saved_by_the_forward(score_before):
+    """The forward writes each slot's h1 | h3 (saved_h13); the backward reads
+    them instead of recomputing fc1: correct, bitwise across schedules, and
+    equal to the recomputing backward (same math, interpreter fp32)."""
+    from titan_uniep.fused import simulated_moe_forward
+    from titan_uniep.symm import Workspace
+
+    w = make_world(2, 8, 3, [13, 10], seed=81)
+    cfg = interpreter_config()
+    fwd = Workspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                              dtype=torch.float32, config=cfg)
+    saved = torch.full((2, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
+    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                          score_before_experts=score_before, config=cfg, workspace=fwd, saved_h13=saved)
+    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                                     dtype=torch.float32, config=cfg)
+    outs = {}
+    for schedule in ("sequential", "fused"):
+        ws.poison()
+        outs[schedule] = simulated_moe_backward(
+            w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+            score_before_experts=score_before, config=cfg, workspace=ws, poison_outputs=True, saved_h13=saved)
+    assert_correct(w, outs["sequential"], outs["fused"], score_before=score_before)
+    _, recomputed = run_both(w, score_before=score_before, workspace=ws)
+    for r in range(2):
+        for name, a, b in zip(NAMES, outs["fused"][r], recomputed[r]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+    with pytest.raises(ValueError, match="saved_h13 must be"):
+        simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                               schedule="fused", score_before_experts=score_before, config=cfg, workspace=ws,
+                               saved_h13=saved[:, :-1])
+
+
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing",
                                   "rank_with_no_tokens", "one_local_expert"])
 def test_backward_bitwise_and_correct_under_edge_routing(case):

@@ -107,8 +107,8 @@ def compile_all() -> None:
     anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32)
     ba = dict(**anchors, x_ptr=bf, g_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
               num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-              w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, control_ptr=i64,
-              arena_ptrs=i64)
+              w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, h13_ptr=bf,
+              control_ptr=i64, arena_ptrs=i64)
     bb = dict(**anchors, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, dw1_ptr=bf, dw2_ptr=bf,
               dw3_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
               route_tables_ptr=i32, ds_parts_ptr=f32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf, dx_ptr=bf, ds_ptr=f32,
@@ -119,10 +119,12 @@ def compile_all() -> None:
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
                          USE_TIMER=True, GROUP_M=cfg.group_m, BM=cfg.block_m, BK=blocks["bk"], KP=8)
             what = f"D={dim} H={hidden} scores {'before' if score_before else 'after'}"
-            kernel = build(dispatch_grad_hidden_kernel, ba, dict(NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16,
-                                                                  BD=512, TWO_PASS=bool(blocks["dh_two_pass"]),
-                                                                  **shape))
-            check(kernel, f"BA (dispatch + dH) {what}", 1 + blocks["dh_two_pass"], even)
+            for saved in (True, False):  # h1 | h3 from the forward (the op's path), or recomputed
+                kernel = build(dispatch_grad_hidden_kernel, ba, dict(
+                    NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16, BD=512, TWO_PASS=bool(blocks["dh_two_pass"]),
+                    SAVED_H13=saved, **shape))
+                loops_ba = 1 if saved else 1 + blocks["dh_two_pass"]
+                check(kernel, f"BA (dispatch + dH{', saved h1|h3' if saved else ''}) {what}", loops_ba, even)
             nhb = -(-hidden // blocks["dh"])
             kernel = build(grad_input_combine_kernel, bb, dict(
                 NUM_LOCAL=1, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, NHB=nhb, NHBP=triton.next_power_of_2(nhb),

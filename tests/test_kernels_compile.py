@@ -47,16 +47,16 @@ def compile_all() -> None:
     anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32, i64_anchor=i64)
     a_ptrs = dict(**anchors, x_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
                   num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-                  w1_ptr=bf, w3_ptr=bf, h_ptr=bf, control_ptr=i64, arena_ptrs=i64)
+                  w1_ptr=bf, w3_ptr=bf, h_ptr=bf, h13_ptr=bf, control_ptr=i64, arena_ptrs=i64)
     b_ptrs = dict(**anchors, y_ptr=bf, h_ptr=bf, w2_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
                   scores_ptr=f32, num_tokens_ptr=i32, out_ptr=bf, control_ptr=i64, arena_ptrs=i64, dest_rank_ptr=i32)
     for score_before in (False, True):
         for dim, hidden, even in ((2048, 768, True), (96, 80, False)):
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, EVEN_K=even, EVEN_N=even,
                          PRECISION="tf32", USE_TIMER=True, GROUP_M=8, BK=64, BT=16, BM=128)
-            for presum in (False, True):
+            for presum, save_h13 in ((False, False), (True, False), (False, True)):
                 ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=2, BN=128, BD=512, KP=8,
-                                                                PRESUM=presum, **shape))
+                                                                PRESUM=presum, SAVE_H13=save_h13, **shape))
                 assert "warp_group_dot" in ttgir, "fc1 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc1 K-loop is not pipelined"

@@ -8,9 +8,11 @@ and routing (random router-like scores, balanced):
 - ``titan_ep``: TorchTitan 0.2.2 standard EP (``ExpertParallel`` on
   ``GroupedExperts``, the MoE.forward lines after the router) under autograd:
   forward, then ``backward`` of the output gradient (grads of x, scores, w1-3);
-- ``uniep_sequential`` / ``uniep_fused``: ``fused.moe_forward`` then
+- ``uniep_sequential`` / ``uniep_fused``: ``fused.moe_forward`` (saving h1 | h3
+  per slot, as the custom op does) then
   ``fused_backward.moe_backward`` (each schedule for both directions);
-  ``*_bwd`` the backward alone;
+  ``*_bwd`` the backward alone; ``uniep_fused_recompute``: the fused
+  forward + backward when nothing is saved (the backward recomputes fc1);
 - ``gemm_only``: ``torch._grouped_mm`` fc1/SwiGLU/fc2 on the rows this rank
   receives (groups padded to 8 rows) under autograd, forward + backward.
 
@@ -161,22 +163,27 @@ def bench_shape(name, shape, args, group, mesh, dev):
             print(f"forward workspace failed:\n{traceback.format_exc()}", flush=True)
     bwd_ws = BackwardWorkspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden,
                                          num_experts=num_experts, top_k=top_k, dtype=dtype, device=dev)
-    for schedule in ("sequential", "fused"):
-        def bwd(schedule=schedule):
-            return lambda: moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws,
-                                        schedule=schedule, score_before_experts=score_before)
+    # As the custom op runs it: the forward saves h1 | h3 per slot, the backward reads them.
+    h13 = torch.empty(fwd_ws.shape.slot_capacity, 2 * hidden, dtype=dtype, device=dev)
+    moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=fwd_ws, schedule="sequential",
+                score_before_experts=score_before, saved_h13=h13)
 
-        def fwd_bwd(schedule=schedule):
+    def bwd_call(schedule, saved=True):
+        return moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
+                            score_before_experts=score_before, saved_h13=h13 if saved else None)
+
+    for schedule in ("sequential", "fused"):
+        def fwd_bwd(schedule=schedule, saved=True):
             def step():
                 moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=fwd_ws, schedule=schedule,
-                            score_before_experts=score_before)
-                moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
-                             score_before_experts=score_before)
+                            score_before_experts=score_before, saved_h13=h13 if saved else None)
+                bwd_call(schedule, saved)
             return step
 
-        measure(f"uniep_{schedule}_bwd", bwd)
-        if fwd_ws is not None:
-            measure(f"uniep_{schedule}", fwd_bwd)
+        measure(f"uniep_{schedule}_bwd", lambda schedule=schedule: lambda: bwd_call(schedule))
+        measure(f"uniep_{schedule}", fwd_bwd)
+    # The backward that recomputes h1, h3 (nothing saved beyond the inputs).
+    measure("uniep_fused_recompute", lambda: fwd_bwd("fused", saved=False))
     counts_all = torch.empty(world, num_experts, dtype=torch.int64, device=dev)
     dist.all_gather_into_tensor(counts_all, count_per_expert(indices, num_experts), group=group)
     layout = compute_layout(indices, counts_all, rank)
@@ -187,19 +194,20 @@ def bench_shape(name, shape, args, group, mesh, dev):
         fused_backward.BACKWARD_TILES.update(override)
         try:
             key = "uniep_fused_bwd[" + ",".join(f"{k}={v}" for k, v in override.items()) + "]"
-            measure(key, lambda: lambda: moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws,
-                                                      schedule="fused", score_before_experts=score_before))
+            measure(key, lambda: lambda: bwd_call("fused"))
         finally:
             fused_backward.BACKWARD_TILES.clear()
             fused_backward.BACKWARD_TILES.update(saved)
     if args.profile:
-        profile_backward(lambda schedule: moe_backward(
-            grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
-            score_before_experts=score_before), rank, name)
+        profile_backward(bwd_call, rank, name)
     if args.check:
-        outs = [moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=s,
-                             score_before_experts=score_before) for s in ("sequential", "fused")]
-        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        outs = [bwd_call(s, saved) for saved in (True, False) for s in ("sequential", "fused")]
+        same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])) and all(
+            torch.equal(a, b) for a, b in zip(outs[2], outs[3]))
+        # Saved h1 | h3 against recomputed: the same math, up to the GEMMs' rounding.
+        diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                   for a, b in zip(outs[1], outs[3]))
+        result["saved_vs_recompute_max_rel_diff"] = diff
         flag = torch.tensor([int(same)], device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         result["bitwise_fused_eq_sequential"] = bool(flag.item())
@@ -258,7 +266,8 @@ def main(argv=None) -> None:
                 with open(args.json_out, "a") as f:
                     f.write(json.dumps(res) + "\n")
     if dist.get_rank() == 0:
-        keys = ("titan_ep", "uniep_sequential", "uniep_fused", "uniep_sequential_bwd", "uniep_fused_bwd", "gemm_only")
+        keys = ("titan_ep", "uniep_sequential", "uniep_fused", "uniep_sequential_bwd", "uniep_fused_bwd",
+                "uniep_fused_recompute", "gemm_only")
         print("| shape | " + " | ".join(keys) + " | fused vs TT |")
         print("|---" * (len(keys) + 2) + "|")
         for res in results:

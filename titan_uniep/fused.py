@@ -74,6 +74,7 @@ class _Call:
     w2: torch.Tensor  # (L, El, D, H)
     w3: torch.Tensor  # (L, El, H, D)
     out: torch.Tensor  # (L, T, D)
+    h13: torch.Tensor | None = None  # (L, S, 2H): h1 | h3 per slot, for the backward
 
 
 def moe_forward(
@@ -90,6 +91,7 @@ def moe_forward(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
     error_check: Literal["sync", "lazy"] | None = None,
+    saved_h13: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer with real EP (one process per GPU).
 
@@ -100,7 +102,11 @@ def moe_forward(
     ``kernels.tuning.default_config(ep, hidden=H)`` (same bits, other timing). ``error_check``: ``"sync"``
     (check the error record after the launches; a host sync) or ``"lazy"``
     (poll without syncing, see ``Workspace.poll_errors``); default lazy for
-    ``"fused"``, sync for ``"sequential"``.
+    ``"fused"``, sync for ``"sequential"``. ``saved_h13``: optional
+    ``(slot_capacity, 2 * H)`` buffer that receives each slot's h1 and h3
+    (rounded; rows of slots this call does not use are left alone), which
+    ``fused_backward.moe_backward(saved_h13=...)`` then uses instead of
+    recomputing fc1.
     """
     if workspace.is_simulated:
         raise ValueError("moe_forward needs a Workspace.for_group workspace; use simulated_moe_forward otherwise")
@@ -116,6 +122,9 @@ def moe_forward(
     indices = selected_experts_indices.contiguous().unsqueeze(0)
     _route(workspace, indices, x.shape[0], cfg)
     call = _prepare_rank_call(workspace, x, top_scores, w1, w2, w3, out)
+    if saved_h13 is not None:
+        _check_h13(workspace, saved_h13, 1)
+        call.h13 = saved_h13.unsqueeze(0)
     _launch(workspace, call, cfg, score_before_experts, _PHASES[schedule])
     _finish(workspace, check)
     return call.out[0]
@@ -134,6 +143,7 @@ def simulated_moe_forward(
     config: KernelConfig | None = None,
     workspace: Workspace | None = None,
     outs: Sequence[torch.Tensor] | None = None,
+    saved_h13: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The same forward for a simulated world of ``W = len(xs)`` ranks held in
     this process (CPU interpreter or one GPU): one launch runs every rank.
@@ -142,6 +152,7 @@ def simulated_moe_forward(
     ``(T_r, K)``, ``w1s[r]``/``w3s[r]`` ``(El, H, D)``, ``w2s[r]`` ``(El, D, H)``.
     ``workspace``: a ``Workspace.simulated`` to reuse (built per call if None).
     ``outs``: optional preallocated ``(T_r, D)`` outputs (filled in place).
+    ``saved_h13``: optional ``(W, slot_capacity, 2 * H)``, see ``moe_forward``.
     Returns the ``W`` outputs ``(T_r, D)``.
     """
     world = len(xs)
@@ -189,6 +200,9 @@ def simulated_moe_forward(
         w3=torch.stack([w.contiguous() for w in w3s]),
         out=out,
     )
+    if saved_h13 is not None:
+        _check_h13(workspace, saved_h13, world)
+        call.h13 = saved_h13
     _launch(workspace, call, cfg, score_before_experts, _PHASES[schedule])
     workspace.check_errors()
     results = [out[r, : num_tokens[r]] for r in range(world)]
@@ -273,6 +287,13 @@ def _route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, cfg: Ke
             ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.dest_rank.stride(0), WORLD=s.world_size, BM=s.block_m,
             **meta,
         )
+
+
+def _check_h13(ws: Workspace, h13: torch.Tensor, ranks: int) -> None:
+    s = ws.shape
+    want = (s.slot_capacity, 2 * s.hidden) if ranks == 1 and h13.dim() == 2 else (ranks, s.slot_capacity, 2 * s.hidden)
+    if tuple(h13.shape) != want or h13.dtype != s.dtype or not h13.is_contiguous():
+        raise ValueError(f"saved_h13 must be a contiguous {want} {s.dtype} tensor, got {tuple(h13.shape)} {h13.dtype}")
 
 
 def _check_schedule(schedule: str) -> None:
@@ -363,13 +384,14 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
     precision = "ieee" if s.dtype == torch.float32 else "tf32"
     use_timer, timeout = _use_timer(ws), _timeout(ws, cfg)
     launch_opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    h13 = call.h13 if call.h13 is not None else ws.h  # never written unless saving
 
     def megakernel_a(do_dispatch: int, do_fc1: int, dispatch_programs: int) -> None:
         dispatch_fc1_kernel[grid](
             call.x, call.x.stride(0), call.scores, call.dest_rank, call.dest_slot, call.dest_tile,
             call.dest_rank.stride(0), call.num_tokens, call.tile_expert, call.tile_start, call.tile_end,
             call.tile_expert.stride(0), call.num_tiles, call.w1, call.w3, call.w1.stride(0),
-            ws.h, ws.h.stride(0), ws.control, ws.arena_ptrs, act, i32, f32, ws.anchor_rank,
+            ws.h, ws.h.stride(0), h13, h13.stride(0), ws.control, ws.arena_ptrs, act, i32, f32, ws.anchor_rank,
             off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"], off["token_slots"],
             off["token_tiles"], ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
             do_dispatch, do_fc1, dispatch_programs, cfg.debug_silent_rank, timeout,
@@ -377,7 +399,7 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=cfg.block_n_fc1, BK=cfg.block_k, GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(s.top_k),
             EVEN_K=s.dim % cfg.block_k == 0, EVEN_N=s.hidden % cfg.block_n_fc1 == 0, PRECISION=precision,
-            USE_TIMER=use_timer, PRESUM=presum, **launch_opts,
+            USE_TIMER=use_timer, PRESUM=presum, SAVE_H13=call.h13 is not None, **launch_opts,
         )
 
     staged = cfg.combine == "staged"

@@ -10,12 +10,14 @@ the output gradient, on the same deterministic layout as the forward:
     -> megakernel BB: dA = dh1 @ w1 + dh3 @ w3 sent back and combined over k
        (dx, router-score grads), weight grads per expert over all its rows
 
-Nothing is kept between forward and backward beyond the op's inputs (x,
-scores, indices, weights): h1, h3 and h are recomputed from x, which the
-backward dispatches again next to dOut (one ``2 * D`` row per token and
-destination rank). Cost: fc1 (two GEMMs) again; the router-score gradient
-``<dOut, y>`` needs no fc2 recompute (``= <dOut @ w2, h>``). Memory: the
-backward workspace.
+What is kept between forward and backward: the op's inputs (x, scores,
+indices, weights) and, when the forward was given ``saved_h13``, each
+slot's h1 and h3 (``slot_capacity x 2H`` in the activation dtype, as
+TorchTitan's autograd keeps them); without it, h1 and h3 are recomputed
+from x (fc1, two GEMMs, again). x is dispatched again next to dOut (one
+``2 * D`` row per token and destination rank) for dW1/dW3; h is rebuilt from
+h1 and h3. The router-score gradient ``<dOut, y>`` needs no fc2 recompute
+(``= <dOut @ w2, h>``). Memory: the backward workspace, plus ``saved_h13``.
 
 ``schedule="sequential"`` launches every task kind separately (dispatch, dH
 tiles, dA tiles, weight grads, reduce); ``"fused"`` runs dispatch and dH tiles
@@ -49,7 +51,7 @@ import triton
 
 from .kernels.backward import dispatch_grad_hidden_kernel, grad_input_combine_kernel
 from .kernels.sync import BAD_SLOT, WAIT_COUNTS_FLAG, WAIT_TILE_ROWS, WAIT_TOKEN_ROWS
-from .fused import SCHEDULES, _check_schedule, _finish, _num_programs, _route, _timeout, _use_timer
+from .fused import SCHEDULES, _check_h13, _check_schedule, _finish, _num_programs, _route, _timeout, _use_timer
 from .kernels.tuning import KernelConfig, default_config
 from .symm import Workspace
 
@@ -189,13 +191,18 @@ def moe_backward(
     score_before_experts: bool,
     config: KernelConfig | None = None,
     error_check: Literal["sync", "lazy"] | None = None,
+    saved_h13: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``fused.moe_forward`` with real EP (one process per GPU).
 
     Every rank of the group calls it in the same layer order (also with
     T = 0). Returns ``(dx, dscores, dw1, dw2, dw3)``, see the module docstring.
     ``error_check``: as ``fused.moe_forward`` (default lazy for ``"fused"``:
-    no host sync; sync for ``"sequential"``).
+    no host sync; sync for ``"sequential"``). ``saved_h13``: the buffer the
+    forward filled (``fused.moe_forward(saved_h13=...)``, same routing): h1
+    and h3 are read from it instead of recomputed (two GEMMs fewer; the
+    gradients agree within rounding with the recomputing backward, and
+    are bitwise equal across schedules either way).
     """
     if workspace.is_simulated:
         raise ValueError("moe_backward needs a BackwardWorkspace.for_group; use simulated_moe_backward otherwise")
@@ -208,6 +215,9 @@ def moe_backward(
     _check_inputs(workspace, grad_out, x, top_scores, indices, w1, w2, w3)
     _route(ws, indices.contiguous().unsqueeze(0), x.shape[0], cfg)
     arrays = _rank_arrays(ws, grad_out, x, top_scores, w1, w2, w3)
+    if saved_h13 is not None:
+        _check_h13(ws, saved_h13, 1)
+        arrays["h13"] = saved_h13.unsqueeze(0)
     grads = _launch(workspace, arrays, cfg, score_before_experts, _PHASES[schedule])
     _finish(ws, check)
     return tuple(g[0] for g in grads)
@@ -227,13 +237,15 @@ def simulated_moe_backward(
     config: KernelConfig | None = None,
     workspace: BackwardWorkspace | None = None,
     poison_outputs: bool = False,
+    saved_h13: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """The backward for a simulated world of ``W = len(xs)`` ranks in this
     process (CPU interpreter or one GPU); arguments per rank as
     ``fused.simulated_moe_forward`` plus ``grad_outs[r]`` ``(T_r, D)``.
     Returns one ``(dx, dscores, dw1, dw2, dw3)`` per rank. ``poison_outputs``
     (tests): fill the outputs with NaN before the launches, so an element no
-    task writes shows up."""
+    task writes shows up. ``saved_h13``: ``(W, slot_capacity, 2 * H)`` from
+    ``fused.simulated_moe_forward(saved_h13=...)``, see ``moe_backward``."""
     world = len(xs)
     if not (len(grad_outs) == len(scores) == len(indices) == len(w1s) == len(w2s) == len(w3s) == world):
         raise ValueError("grad_outs, xs, scores, indices, w1s, w2s, w3s must have one entry per simulated rank")
@@ -269,6 +281,9 @@ def simulated_moe_backward(
         w2=torch.stack([w.contiguous() for w in w2s]),
         w3=torch.stack([w.contiguous() for w in w3s]),
     )
+    if saved_h13 is not None:
+        _check_h13(ws, saved_h13, world)
+        arrays["h13"] = saved_h13
     dx, ds, dw1, dw2, dw3 = _launch(workspace, arrays, cfg, score_before_experts, _PHASES[schedule],
                                     poison=poison_outputs)
     workspace.check_errors()
@@ -345,20 +360,22 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     opts = dict(num_warps=blocks["warps"], num_stages=blocks["stages"])
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     h = ws.h
+    h13 = a.get("h13")
 
     def kernel_ba(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
         dispatch_grad_hidden_kernel[grid](
             a["x"], a["g"], a["x"].stride(0), a["scores"], a["dest_rank"], a["dest_slot"], a["dest_tile"],
             a["dest_rank"].stride(0), a["num_tokens"], a["tile_expert"], a["tile_start"], a["tile_end"],
             a["tile_expert"].stride(0), a["num_tiles"], a["w1"], a["w2"], a["w3"], a["w1"].stride(0),
-            h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), ws.control, ws.arena_ptrs, act, i32,
+            h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), h if h13 is None else h13,
+            h.stride(0) if h13 is None else h13.stride(0), ws.control, ws.arena_ptrs, act, i32,
             f32, ws.anchor_rank, off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
             ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
             do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout,
             NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["dh"], BK=blocks["bk"], GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(top_k),
-            TWO_PASS=bool(blocks["dh_two_pass"]), PRECISION=precision, USE_TIMER=use_timer, **opts,
+            TWO_PASS=bool(blocks["dh_two_pass"]), SAVED_H13=h13 is not None, PRECISION=precision, USE_TIMER=use_timer, **opts,
         )
 
     def kernel_bb(do_tiles: int, do_wgrad: int, do_reduce: int) -> None:

@@ -8,10 +8,14 @@ compiles) and lets selective activation checkpointing save its output
 (``titan_uniep.parallelize`` adds it to TorchTitan's SAC save list).
 
 Backward: the backward megakernels of ``titan_uniep.fused_backward`` with
-the same schedule as the forward. The op saves only its inputs; the backward
-re-dispatches x next to the output gradient and recomputes h1 and h3 (the
-score gradient needs no fc2: ``<dOut, y> = <dOut @ w2, h>``). Every gradient
-is bitwise equal across ``sequential`` and ``fused``; the fused backward does
+the same schedule as the forward. The op's second output is each receive
+slot's h1 | h3 (``slot_capacity x 2H`` in the activation dtype, written by
+the forward megakernel), which autograd keeps for the backward, as
+TorchTitan's keeps h1 and h3 of its grouped GEMMs; besides it the op saves
+only its inputs. The backward re-dispatches x next to the output gradient
+(for dW1/dW3) and reads h1 and h3 instead of recomputing fc1 (the score
+gradient needs no fc2: ``<dOut, y> = <dOut @ w2, h>``). Every gradient is
+bitwise equal across ``sequential`` and ``fused``; the fused backward does
 not synchronise with the host (errors are polled lazily).
 
 Workspaces: one forward and one backward workspace per (EP group, layer
@@ -29,6 +33,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from titan_uniep.fused import moe_forward
 from titan_uniep.fused_backward import BackwardWorkspace, moe_backward
+from titan_uniep.layout import slot_capacity
 from titan_uniep.schedules import Routing, register_schedule
 from titan_uniep.symm import Workspace
 
@@ -83,34 +88,54 @@ def moe_experts(
     group_name: str,
     schedule: str,
     score_before_experts: bool,
-) -> torch.Tensor:
-    """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.fused)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.fused)
+    and the receive slots' h1 | h3 ``(slot_capacity, 2H)`` (for the backward only)."""
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1])
-    return moe_forward(
+    h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
+    out = moe_forward(
         x, top_scores, selected_experts_indices, w1.contiguous(), w2.contiguous(), w3.contiguous(),
-        workspace=ws, schedule=schedule, score_before_experts=score_before_experts,
+        workspace=ws, schedule=schedule, score_before_experts=score_before_experts, saved_h13=h13,
     )
+    return out, h13
+
+
+def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int) -> int:
+    """Rows of the op's h1 | h3 output: the forward workspace's slot capacity
+    (the same formula before the workspace exists, from what it will be built with)."""
+    group = _resolve_process_group(group_name)
+    world = dist.get_world_size(group)
+    key = (group_name, False, x.shape[1], w1.shape[1], w1.shape[0] * world, top_k, x.dtype, x.device)
+    ws = _workspaces.get(key)
+    tokens = ws.shape.token_capacity if ws is not None else max(x.shape[0], _reserved_tokens.get(group_name, 0), 1)
+    return slot_capacity(world, tokens, top_k, w1.shape[0])
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x, top_scores, selected_experts_indices, w1, w2, w3, group_name, schedule, score_before_experts):
-    return torch.empty_like(x)
+    rows = _saved_rows(group_name, x, w1, selected_experts_indices.shape[1])
+    return torch.empty_like(x), x.new_empty(rows, 2 * w1.shape[1])
 
 
 def _setup_context(ctx, inputs, output) -> None:
     x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before = inputs
-    ctx.save_for_backward(x, top_scores, indices, w1, w2, w3)
+    ctx.save_for_backward(x, top_scores, indices, w1, w2, w3, output[1])
+    ctx.mark_non_differentiable(output[1])
+    # No zero-filled gradient of the (large) h1 | h3 output in the backward.
+    ctx.set_materialize_grads(False)
     ctx.group_name = group_name
     ctx.schedule = schedule
     ctx.score_before = score_before
 
 
-def _backward(ctx, grad_out: torch.Tensor):
-    x, top_scores, indices, w1, w2, w3 = ctx.saved_tensors
+def _backward(ctx, grad_out: torch.Tensor, _grad_h13: torch.Tensor | None):
+    x, top_scores, indices, w1, w2, w3, h13 = ctx.saved_tensors
+    if grad_out is None:  # the output did not reach the loss
+        grad_out = torch.zeros_like(x)
     ws = workspace_for(ctx.group_name, x, w1, indices.shape[1], backward=True)
     dx, dscores, dw1, dw2, dw3 = moe_backward(
         grad_out.contiguous(), x, top_scores, indices, w1.contiguous(), w2.contiguous(), w3.contiguous(),
-        workspace=ws, schedule=ctx.schedule, score_before_experts=ctx.score_before,
+        workspace=ws, schedule=ctx.schedule, score_before_experts=ctx.score_before, saved_h13=h13,
     )
     return dx, dscores.to(top_scores.dtype), None, dw1, dw2, dw3, None, None, None
 
@@ -120,10 +145,11 @@ moe_experts.register_autograd(_backward, setup_context=_setup_context)
 
 def _kernel_schedule(name: str):
     def run(x, routing: Routing, w1, w2, w3, *, group: dist.ProcessGroup, score_before_experts: bool) -> torch.Tensor:
-        return torch.ops.uniep.moe_experts(
+        out, _h13 = torch.ops.uniep.moe_experts(
             x, routing.top_scores, routing.selected_experts_indices, w1, w2, w3,
             group.group_name, name, score_before_experts,
         )
+        return out
 
     run.__name__ = f"{name}_schedule"
     return run

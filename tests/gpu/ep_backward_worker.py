@@ -11,7 +11,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from titan_uniep.fused import moe_forward
 from titan_uniep.fused_backward import BackwardWorkspace, moe_backward
+from titan_uniep.symm import Workspace
 from titan_uniep.reference_math import float64_moe_reference
 
 NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
@@ -46,6 +48,18 @@ def main() -> None:
             outs[schedule] = moe_backward(gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(),
                                           w2[mine].contiguous(), w3[mine].contiguous(), workspace=ws,
                                           schedule=schedule.replace("_again", ""), score_before_experts=score_before)
+        # The custom op's path: the forward saves h1 | h3 per slot, the backward reads them.
+        fwd_ws = Workspace.for_group(dist.group.WORLD, num_tokens=max(tokens), dim=dim, hidden=hidden,
+                                     num_experts=experts, top_k=top_k, dtype=torch.bfloat16, device=dev)
+        h13 = torch.full((fwd_ws.shape.slot_capacity, 2 * hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+        moe_forward(xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
+                    w3[mine].contiguous(), workspace=fwd_ws, schedule="fused", score_before_experts=score_before,
+                    saved_h13=h13, error_check="sync")
+        for schedule in ("sequential", "fused"):
+            outs[f"saved_{schedule}"] = moe_backward(
+                gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
+                w3[mine].contiguous(), workspace=ws, schedule=schedule, score_before_experts=score_before,
+                saved_h13=h13, error_check="sync")
         # The fused backward (route kernels, megakernels, lazy error poll) never syncs.
         args = (gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
                 w3[mine].contiguous())
@@ -77,14 +91,20 @@ def main() -> None:
                 ref_s = s.grad if s.grad is not None else torch.zeros_like(s)
         refs = [ref_x, ref_s] + [leaf.grad[mine] for leaf in leaves]
         for i, name in enumerate(NAMES):
-            seq, fus, again = (outs[k][i] for k in ("sequential", "fused", "fused_again"))
-            ok_bits = torch.equal(seq, fus) and torch.equal(fus, again)
-            err = ((fus.double() - refs[i]).abs().max().item() / max(refs[i].abs().max().item(), 1e-6)
-                   if refs[i].numel() else 0.0)
-            ok = ok_bits and err < 3e-2 and not torch.isnan(fus).any()
+            seq, fus, again, s_seq, s_fus = (outs[k][i] for k in ("sequential", "fused", "fused_again",
+                                                                   "saved_sequential", "saved_fused"))
+            ok_bits = torch.equal(seq, fus) and torch.equal(fus, again) and torch.equal(s_seq, s_fus)
+
+            def rel(a):
+                return ((a.double() - refs[i]).abs().max().item() / max(refs[i].abs().max().item(), 1e-6)
+                        if refs[i].numel() else 0.0)
+
+            err, err_saved = rel(fus), rel(s_fus)
+            ok = (ok_bits and err < 3e-2 and err_saved < 3e-2 and not torch.isnan(fus).any()
+                  and not torch.isnan(s_fus).any())
             failures += not ok
-            print(f"rank {rank} case {case} {name}: bitwise={ok_bits} rel_err={err:.3g} {'PASS' if ok else 'FAIL'}",
-                  flush=True)
+            print(f"rank {rank} case {case} {name}: bitwise={ok_bits} rel_err={err:.3g} saved_h13 rel_err="
+                  f"{err_saved:.3g} {'PASS' if ok else 'FAIL'}", flush=True)
         dist.barrier()
     print(f"rank {rank}: {'ALL PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
     dist.destroy_process_group()

@@ -200,9 +200,10 @@ def _operands3(a_ptrs, b_ptrs, c_ptrs, mask_m, mask_n, offs_k, k, DIM: tl.conste
 
 @triton.jit
 def grad_hidden_tile(
-    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, m0, m1, col_block,
+    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, h13, m0, m1, col_block,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO_PASS: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO_PASS: tl.constexpr, SAVED_H13: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """h (times the score, scores after), dh1, dh3 and the score partials at
     slots ``m0..m1``, columns ``col_block * BN + [0, BN)`` of one expert
@@ -210,7 +211,8 @@ def grad_hidden_tile(
     compile-time trip counts and advancing pointers (software-pipelined: the
     gathered ``[x | dOut]`` rows and the weight tiles are async copies).
     ``TWO_PASS``: one loop for h1/h3, then one for G (a wider tile, the
-    gathered rows read twice); else all three in one loop."""
+    gathered rows read twice); else all three in one loop. ``SAVED_H13``: h1
+    and h3 come from the forward (``h13`` ``(S, 2H)``), one loop for G only."""
     EVEN_K: tl.constexpr = DIM % BK == 0
     EVEN_N: tl.constexpr = HIDDEN % BN == 0
     NHB: tl.constexpr = (HIDDEN + BN - 1) // BN
@@ -231,7 +233,20 @@ def grad_hidden_tile(
     acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
     # TorchTitan's (x.float() * s).to(x.dtype) before the experts; after them
     # the score scales the fp32 product G = dOut @ w2 (epilogue).
-    if TWO_PASS:
+    if SAVED_H13:
+        dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
+        b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+        for k in range(0, tl.cdiv(DIM, BK)):
+            dy, b2, _unused = _operands3(dy_ptrs, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK,
+                                         EVEN_K, EVEN_N, True)
+            acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
+            dy_ptrs += BK
+            b2_ptrs += BK * HIDDEN
+        saved = h13 + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
+        saved_mask = mask_m[:, None] & mask_n[None, :]
+        gate_lp = tl.load(saved, mask=saved_mask, other=0.0)
+        up_lp = tl.load(saved + HIDDEN, mask=saved_mask, other=0.0)
+    elif TWO_PASS:
         # h1, h3 first (two accumulators), then G (one): three BN-wide
         # accumulators never live at once, so BN can be 128. The gathered
         # rows are read twice (L2).
@@ -330,6 +345,8 @@ def dispatch_grad_hidden_kernel(
     h_rank_stride,
     ds_parts_ptr,  # (L, S, NHB) fp32 out (scores after the experts)
     ds_parts_rank_stride,
+    h13_ptr,  # (L, S, 2H) h1 | h3 saved by the forward (SAVED_H13; any pointer otherwise)
+    h13_rank_stride,
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64
     act_anchor,
@@ -363,6 +380,7 @@ def dispatch_grad_hidden_kernel(
     BD: tl.constexpr,
     KP: tl.constexpr,
     TWO_PASS: tl.constexpr,
+    SAVED_H13: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
@@ -417,7 +435,9 @@ def dispatch_grad_hidden_kernel(
                         w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
                         h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
                         ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
-                        m0, m1, col_block, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, TWO_PASS, PRECISION,
+                        h13_ptr + local.to(tl.int64) * h13_rank_stride,
+                        m0, m1, col_block, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, TWO_PASS, SAVED_H13,
+                        PRECISION,
                     )
             task = next_task(control_ptr, _CTL_BWD_DH)
 

@@ -148,11 +148,13 @@ def dispatch_task(
 
 @triton.jit
 def fc1_tile(
-    tokens, slot_copy, slot_score, w1, w3, h, m0, m1, n0,
+    tokens, slot_copy, slot_score, w1, w3, h, h13, m0, m1, n0,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr, SAVE_H13: tl.constexpr,
 ):
-    """h[m0:m1, n0:n0+BN] of one expert; ``w1``/``w3`` point at its (H, D) weights."""
+    """h[m0:m1, n0:n0+BN] of one expert; ``w1``/``w3`` point at its (H, D)
+    weights. ``SAVE_H13``: also h1 and h3 (rounded) into ``h13`` ``(S, 2H)``
+    rows, for the backward."""
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
     offs_n = n0 + tl.arange(0, BN)
@@ -199,6 +201,10 @@ def fc1_tile(
         (act * up).to(out_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
+    if SAVE_H13:
+        saved = h13 + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
+        tl.store(saved, acc1.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(saved + HIDDEN, acc3.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 # Runtime scalars that differ between launches of one call (schedule phases,
@@ -223,6 +229,8 @@ def dispatch_fc1_kernel(
     weight_rank_stride,
     h_ptr,  # (L, S, H) out, expert-major slots
     h_rank_stride,
+    h13_ptr,  # (L, S, 2H) out when SAVE_H13: h1 | h3 per slot (any pointer otherwise)
+    h13_rank_stride,
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64 arena base addresses
     act_anchor,  # arena of anchor_rank, as the activation dtype
@@ -262,6 +270,7 @@ def dispatch_fc1_kernel(
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
     PRESUM: tl.constexpr = False,
+    SAVE_H13: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if (do_dispatch != 0) & (pid < num_dispatch_programs):
@@ -314,7 +323,8 @@ def dispatch_fc1_kernel(
                         w1_ptr + expert_offset,
                         w3_ptr + expert_offset,
                         h_ptr + local.to(tl.int64) * h_rank_stride,
+                        h13_ptr + local.to(tl.int64) * h13_rank_stride,
                         m0, m1, col_block * BN, DIM, HIDDEN, TOP_K,
-                        SCORE_BEFORE, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
+                        SCORE_BEFORE, BM, BN, BK, EVEN_K, EVEN_N, PRECISION, SAVE_H13,
                     )
             task = next_task(control_ptr, _CTL_FC1_TASKS)
