@@ -123,7 +123,7 @@ def moe_forward(
     _route(workspace, indices, x.shape[0], cfg)
     call = _prepare_rank_call(workspace, x, top_scores, w1, w2, w3, out)
     if saved_h13 is not None:
-        _check_h13(workspace, saved_h13, 1)
+        _check_h13(workspace, saved_h13)
         call.h13 = saved_h13.unsqueeze(0)
     _launch(workspace, call, cfg, score_before_experts, _PHASES[schedule])
     _finish(workspace, check)
@@ -201,7 +201,7 @@ def simulated_moe_forward(
         out=out,
     )
     if saved_h13 is not None:
-        _check_h13(workspace, saved_h13, world)
+        _check_h13(workspace, saved_h13)
         call.h13 = saved_h13
     _launch(workspace, call, cfg, score_before_experts, _PHASES[schedule])
     workspace.check_errors()
@@ -289,9 +289,10 @@ def _route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, cfg: Ke
         )
 
 
-def _check_h13(ws: Workspace, h13: torch.Tensor, ranks: int) -> None:
+def _check_h13(ws: Workspace, h13: torch.Tensor) -> None:
+    """``(slot_capacity, 2H)`` for a real rank, ``(W, slot_capacity, 2H)`` for a simulated world."""
     s = ws.shape
-    want = (s.slot_capacity, 2 * s.hidden) if ranks == 1 and h13.dim() == 2 else (ranks, s.slot_capacity, 2 * s.hidden)
+    want = (s.slot_capacity, 2 * s.hidden) if not ws.is_simulated else (s.world_size, s.slot_capacity, 2 * s.hidden)
     if tuple(h13.shape) != want or h13.dtype != s.dtype or not h13.is_contiguous():
         raise ValueError(f"saved_h13 must be a contiguous {want} {s.dtype} tensor, got {tuple(h13.shape)} {h13.dtype}")
 

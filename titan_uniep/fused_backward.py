@@ -216,7 +216,7 @@ def moe_backward(
     _route(ws, indices.contiguous().unsqueeze(0), x.shape[0], cfg)
     arrays = _rank_arrays(ws, grad_out, x, top_scores, w1, w2, w3)
     if saved_h13 is not None:
-        _check_h13(ws, saved_h13, 1)
+        _check_h13(ws, saved_h13)
         arrays["h13"] = saved_h13.unsqueeze(0)
     grads = _launch(workspace, arrays, cfg, score_before_experts, _PHASES[schedule])
     _finish(ws, check)
@@ -282,7 +282,7 @@ def simulated_moe_backward(
         w3=torch.stack([w.contiguous() for w in w3s]),
     )
     if saved_h13 is not None:
-        _check_h13(ws, saved_h13, world)
+        _check_h13(ws, saved_h13)
         arrays["h13"] = saved_h13
     dx, ds, dw1, dw2, dw3 = _launch(workspace, arrays, cfg, score_before_experts, _PHASES[schedule],
                                     poison=poison_outputs)
