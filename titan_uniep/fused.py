@@ -173,20 +173,12 @@ def simulated_moe_forward(
     shape = workspace.shape
     for r in range(world):
         _check_inputs(workspace, xs[r], scores[r], indices[r], w1s[r], w2s[r], w3s[r])
-    device, cap = xs[0].device, shape.token_capacity
-
-    def padded(tensors, dtype, fill=0):
-        out = torch.full((world, cap, *tensors[0].shape[1:]), fill, dtype=dtype, device=device)
-        for r, t in enumerate(tensors):
-            out[r, : t.shape[0]] = t
-        return out
-
-    workspace.num_tokens.copy_(torch.tensor(num_tokens, dtype=torch.int32))
-    _route(workspace, padded(indices, torch.int64, -1), None, cfg)
-    out = torch.empty(world, cap, shape.dim, dtype=shape.dtype, device=device)
+    cap = shape.token_capacity
+    _route_world(workspace, indices, cfg)
+    out = torch.empty(world, cap, shape.dim, dtype=shape.dtype, device=xs[0].device)
     call = _Call(
-        x=padded(xs, shape.dtype),
-        scores=padded(scores, torch.float32),
+        x=_pad_ranks(xs, cap, shape.dtype),
+        scores=_pad_ranks(scores, cap, torch.float32),
         dest_rank=workspace.dest_rank,
         dest_slot=workspace.dest_slot,
         dest_tile=workspace.dest_tile,
@@ -287,6 +279,20 @@ def _route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, cfg: Ke
             ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.dest_rank.stride(0), WORLD=s.world_size, BM=s.block_m,
             **meta,
         )
+
+
+def _pad_ranks(tensors: Sequence[torch.Tensor], capacity: int, dtype: torch.dtype, fill=0) -> torch.Tensor:
+    """Per-rank ``(T_r, ...)`` tensors stacked as ``(W, capacity, ...)``, padded with ``fill``."""
+    out = torch.full((len(tensors), capacity, *tensors[0].shape[1:]), fill, dtype=dtype, device=tensors[0].device)
+    for r, t in enumerate(tensors):
+        out[r, : t.shape[0]] = t
+    return out
+
+
+def _route_world(ws: Workspace, indices: Sequence[torch.Tensor], cfg: KernelConfig) -> None:
+    """``_route`` for a simulated world: every rank's token count and routing."""
+    ws.num_tokens.copy_(torch.tensor([idx.shape[0] for idx in indices], dtype=torch.int32))
+    _route(ws, _pad_ranks(indices, ws.shape.token_capacity, torch.int64, -1), None, cfg)
 
 
 def _check_h13(ws: Workspace, h13: torch.Tensor) -> None:

@@ -51,7 +51,18 @@ import triton
 
 from .kernels.backward import dispatch_grad_hidden_kernel, grad_input_combine_kernel
 from .kernels.sync import BAD_SLOT, WAIT_COUNTS_FLAG, WAIT_TILE_ROWS, WAIT_TOKEN_ROWS
-from .fused import SCHEDULES, _check_h13, _check_schedule, _finish, _num_programs, _route, _timeout, _use_timer
+from .fused import (
+    SCHEDULES,
+    _check_h13,
+    _check_schedule,
+    _finish,
+    _num_programs,
+    _pad_ranks,
+    _route,
+    _route_world,
+    _timeout,
+    _use_timer,
+)
 from .kernels.tuning import KernelConfig, default_config
 from .symm import Workspace
 
@@ -264,19 +275,12 @@ def simulated_moe_backward(
     shape = ws.shape
     for r in range(world):
         _check_inputs(workspace, grad_outs[r], xs[r], scores[r], indices[r], w1s[r], w2s[r], w3s[r])
-    device, cap = xs[0].device, shape.token_capacity
-
-    def padded(tensors, dtype, fill=0):
-        out = torch.full((world, cap, *tensors[0].shape[1:]), fill, dtype=dtype, device=device)
-        for r, t in enumerate(tensors):
-            out[r, : t.shape[0]] = t
-        return out
-
-    ws.num_tokens.copy_(torch.tensor(num_tokens, dtype=torch.int32))
-    _route(ws, padded(indices, torch.int64, -1), None, cfg)
+    cap = shape.token_capacity
+    _route_world(ws, indices, cfg)
     arrays = dict(
         _layout_arrays(ws),
-        x=padded(xs, shape.dtype), g=padded(grad_outs, shape.dtype), scores=padded(scores, torch.float32),
+        x=_pad_ranks(xs, cap, shape.dtype), g=_pad_ranks(grad_outs, cap, shape.dtype),
+        scores=_pad_ranks(scores, cap, torch.float32),
         w1=torch.stack([w.contiguous() for w in w1s]),
         w2=torch.stack([w.contiguous() for w in w2s]),
         w3=torch.stack([w.contiguous() for w in w3s]),

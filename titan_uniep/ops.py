@@ -50,14 +50,19 @@ def reserve_tokens(group: dist.ProcessGroup, num_tokens: int) -> None:
     _reserved_tokens[name] = max(_reserved_tokens.get(name, 0), num_tokens)
 
 
+def _workspace_key(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, backward: bool) -> tuple:
+    """One workspace per (EP group, direction, layer shape, dtype, device)."""
+    num_experts = w1.shape[0] * dist.get_world_size(_resolve_process_group(group_name))
+    return (group_name, backward, x.shape[1], w1.shape[1], num_experts, top_k, x.dtype, x.device)
+
+
 def workspace_for(
     group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, *, backward: bool = False
 ) -> Workspace | BackwardWorkspace:
     """The forward (or backward) workspace of this group and layer shape, built on first use."""
     group = _resolve_process_group(group_name)
     num_experts = w1.shape[0] * dist.get_world_size(group)
-    key = (group_name, backward, x.shape[1], w1.shape[1], num_experts, top_k, x.dtype, x.device)
-    ws = _workspaces.get(key)
+    ws = _workspaces.get(key := _workspace_key(group_name, x, w1, top_k, backward))
     num_tokens = x.shape[0]
     if ws is None:
         capacity = max(num_tokens, _reserved_tokens.get(group_name, 0), 1)
@@ -103,10 +108,8 @@ def moe_experts(
 def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int) -> int:
     """Rows of the op's h1 | h3 output: the forward workspace's slot capacity
     (the same formula before the workspace exists, from what it will be built with)."""
-    group = _resolve_process_group(group_name)
-    world = dist.get_world_size(group)
-    key = (group_name, False, x.shape[1], w1.shape[1], w1.shape[0] * world, top_k, x.dtype, x.device)
-    ws = _workspaces.get(key)
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    ws = _workspaces.get(_workspace_key(group_name, x, w1, top_k, backward=False))
     tokens = ws.shape.token_capacity if ws is not None else max(x.shape[0], _reserved_tokens.get(group_name, 0), 1)
     return slot_capacity(world, tokens, top_k, w1.shape[0])
 

@@ -77,8 +77,6 @@ from .route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
-    CTL_EPOCH,
-    CTL_ERROR,
     NUM_TASK_COUNTERS,
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
@@ -99,10 +97,6 @@ CTL_BWD_REDUCE = 3
 CTL_BWD_WGRAD = 4
 NUM_BWD_COUNTERS = 5
 assert NUM_BWD_COUNTERS <= NUM_TASK_COUNTERS
-# The epoch and the error record sit where the forward keeps its own (the
-# workspace's error reporting reads them there).
-CTL_BWD_EPOCH = CTL_EPOCH
-CTL_BWD_ERROR = CTL_ERROR
 
 _CTL_BWD_DISPATCH = tl.constexpr(CTL_BWD_DISPATCH)
 _CTL_BWD_DH = tl.constexpr(CTL_BWD_DH)
@@ -199,6 +193,24 @@ def _operands3(a_ptrs, b_ptrs, c_ptrs, mask_m, mask_n, offs_k, k, DIM: tl.conste
 
 
 @triton.jit
+def _grad_out_w2(acc, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM: tl.constexpr,
+                 HIDDEN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """acc += dOut rows (the dispatched ``[x | dOut]`` rows' second half) @ w2
+    columns ``offs_n``: the K-loop over D of its own (pointers built here, so
+    they are not live across an earlier loop)."""
+    dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
+    b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+    for k in range(0, tl.cdiv(DIM, BK)):
+        dy, b2, _unused = _operands3(dy_ptrs, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK, EVEN_K, EVEN_N,
+                                     True)
+        acc = tl.dot(dy, b2, acc, input_precision=PRECISION)
+        dy_ptrs += BK
+        b2_ptrs += BK * HIDDEN
+    return acc
+
+
+@triton.jit
 def grad_hidden_tile(
     tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, h13, m0, m1, col_block,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
@@ -234,14 +246,8 @@ def grad_hidden_tile(
     # TorchTitan's (x.float() * s).to(x.dtype) before the experts; after them
     # the score scales the fp32 product G = dOut @ w2 (epilogue).
     if SAVED_H13:
-        dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
-        b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
-        for k in range(0, tl.cdiv(DIM, BK)):
-            dy, b2, _unused = _operands3(dy_ptrs, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK,
-                                         EVEN_K, EVEN_N, True)
-            acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
-            dy_ptrs += BK
-            b2_ptrs += BK * HIDDEN
+        acc_dh = _grad_out_w2(acc_dh, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM, HIDDEN, BK,
+                              EVEN_K, EVEN_N, PRECISION)
         saved = h13 + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
         saved_mask = mask_m[:, None] & mask_n[None, :]
         gate_lp = tl.load(saved, mask=saved_mask, other=0.0)
@@ -264,15 +270,8 @@ def grad_hidden_tile(
         # spills ~0.5 KB at BN = 128; still faster than BN = 64 in one loop).
         gate_lp = acc1.to(out_ty)
         up_lp = acc3.to(out_ty)
-        # Pointers of the second loop built only now (fewer live registers).
-        dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
-        b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
-        for k in range(0, tl.cdiv(DIM, BK)):
-            dy, b2, _unused = _operands3(dy_ptrs, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK,
-                                         EVEN_K, EVEN_N, True)
-            acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
-            dy_ptrs += BK
-            b2_ptrs += BK * HIDDEN
+        acc_dh = _grad_out_w2(acc_dh, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM, HIDDEN, BK,
+                              EVEN_K, EVEN_N, PRECISION)
     else:
         b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
         for k in range(0, tl.cdiv(DIM, BK)):
