@@ -230,7 +230,7 @@ def test_backward_per_rank_launches_match_the_simulated_world():
                                 **{name: getattr(ws, name)[r:r + 1] for name in per_rank})
         parts = bws.ds_parts[r:r + 1]
         views.append(SimpleNamespace(inner=inner, dim=DIM, dh1=bws.dh1[r:r + 1], dh3=bws.dh3[r:r + 1],
-                                     ds_parts_for=lambda n, parts=parts: parts))
+                                     slot_rows=bws.slot_rows[r:r + 1], ds_parts_for=lambda n, parts=parts: parts))
     for step in ("count", "publish", "collect", "place"):
         for r in range(world):
             indices = w["indices"][r].unsqueeze(0)
@@ -258,3 +258,66 @@ def test_backward_workspace_grows_when_asked_and_keeps_working():
     assert ws.ensure_capacity(9) and not ws.ensure_capacity(5)
     seq, fus = run_both(w, score_before=False, workspace=ws)
     assert_correct(w, seq, fus, score_before=False)
+
+
+@pytest.mark.parametrize("two_a", [True, False])
+def test_weight_grad_kernel_sums_each_experts_rows_only(two_a):
+    """``kernels.wgrad.expert_weight_grad_kernel`` alone, two local ranks: every
+    output block equals A_e^T B_e over exactly the expert's rows (the rows
+    around them hold NaN), experts without rows give zeros, M and N are not
+    multiples of the tiles; tensor-descriptor and pointer loads give the same bits."""
+    import triton
+
+    from titan_uniep.kernels.route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
+    from titan_uniep.kernels.wgrad import expert_weight_grad_kernel
+
+    gen = torch.Generator().manual_seed(71)
+    world, el, m, n, cap = 2, 3, 40, 24, 64
+    rows = [[0, 13, 30], [21, 1, 0]]
+    a1 = torch.full((world, cap, m), float("nan"), dtype=torch.float16)
+    a2, b = a1.clone(), torch.full((world, cap, n), float("nan"), dtype=torch.float16)
+    tables = torch.zeros(world, ROUTE_TABLE_ROWS, world * el, dtype=torch.int32)
+    for r in range(world):
+        base = 0
+        for e, count in enumerate(rows[r]):
+            tables[r, ROW_EXPERT_BASE, r * el + e], tables[r, ROW_ROWS, r * el + e] = base, count
+            for t in (a1, a2):
+                t[r, base:base + count] = torch.randn(count, m, generator=gen).half()
+            b[r, base:base + count] = torch.randn(count, n, generator=gen).half()
+            base += count
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    results = {}
+    for tma in (False, True):
+        out1 = torch.full((world, el, m, n), float("nan"))
+        out2 = out1.clone()
+        bm, bn, bk = 16, 16, 8
+        expert_weight_grad_kernel[(el * triton.cdiv(m, bm) * triton.cdiv(n, bn), world)](
+            a1, a2, m, cap * m, b, n, cap * n, tables, out1, out2, 0, M=m, N=n, NUM_EXPERTS_LOCAL=el,
+            NUM_EXPERTS=world * el, BM=bm, BN=bn, BK=bk, GROUP=2, TWO_A=two_a, TMA=tma, STAGES=1,
+            PRECISION="ieee", INTERPRET=True,
+        )
+        results[tma] = (out1, out2)
+    assert torch.equal(results[False][0], results[True][0])
+    out1, out2 = results[False]
+    for r in range(world):
+        base = 0
+        for e, count in enumerate(rows[r]):
+            sl = slice(base, base + count)
+            for got, a in [(out1, a1)] + ([(out2, a2)] if two_a else []):
+                want = a[r, sl].double().T @ b[r, sl].double()
+                assert torch.allclose(got[r, e].double(), want, rtol=1e-5, atol=1e-5), (r, e, count)
+            base += count
+    if not two_a:
+        assert torch.isnan(out2).all()  # the second output is untouched without TWO_A
+
+
+def test_weight_grad_backend_choice_and_errors():
+    from titan_uniep.fused_backward import wgrad_backend
+
+    cpu = torch.device("cpu")
+    assert wgrad_backend("auto", torch.bfloat16, cpu) == "triton"
+    assert wgrad_backend("triton", torch.float32, cpu) == "triton"
+    with pytest.raises(ValueError, match="grouped_mm.*needs bf16 data on a CUDA GPU"):
+        wgrad_backend("grouped_mm", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        wgrad_backend("cublas", torch.bfloat16, cpu)

@@ -17,7 +17,7 @@ and routing (random router-like scores, balanced):
   receives (groups padded to 8 rows) under autograd, forward + backward.
 
 Times: CUDA events, warm-up first, median over ``--reps``, slowest rank (ms).
-``--sweep-tiles '[{"wgrad_rows": 128}, ...]'``: the fused backward again with
+``--sweep-tiles '[{"wgrad": "triton"}, ...]'``: the fused backward again with
 each override of ``fused_backward.BACKWARD_TILES`` (``uniep_fused_bwd[...]``).
 ``--profile``: rank 0 prints, for one backward call of each schedule, every
 CUDA kernel in launch order with its device time (the sequential schedule's

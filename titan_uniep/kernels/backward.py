@@ -37,7 +37,7 @@ Megakernel BA (dispatch + dH + SwiGLU backward), tasks:
    router-score gradient ``sum_n G[:, n] * h[:, n]`` over the tile's columns
    (``<dOut, y> = <dOut @ w2, h>`` for ``y = h @ w2^T``: no second fc2).
 
-Megakernel BB (dA + combine, weight gradients), tasks:
+Megakernel BB (dA + combine), tasks:
 
 1. tile (expert rows x ``BN_B`` columns of D): ``dA = dh1 @ w1 + dh3 @ w3``
    (one fp32 accumulator), stored into the source's ``returned[t * K + k]``;
@@ -45,25 +45,23 @@ Megakernel BB (dA + combine, weight gradients), tasks:
    ``NHB`` score partials in column-block order and store the sum next to
    it; then one release arrival per row on the source's
    ``token_arrivals[t]``;
-2. wgrad (expert ``e`` x ``WH`` rows of H x ``WG`` blocks of ``WD`` columns
-   of D): ``dW1/dW3[e] = dh^T @ a``, ``dW2[e] = dOut^T @ h`` (``h`` as stored), each output
-   block looping over ALL rows of the expert in slot order, ``BR`` rows a
-   step (no split-K, no atomics);
-3. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN_B)``
+2. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN_B)``
    arrivals per token, then in fp32 and fixed order ``k = 0..K-1``:
    ``dx = sum_k dA`` (after) or ``sum_k s * dA`` (before), and
    ``ds`` = the returned sum (after) or ``<x, dA>`` (before, in column order
    of ``BD`` blocks).
 
+The weight gradients need no communication once BA has run: they are their
+own launches (``kernels.wgrad``), the same in both schedules.
+
 Each call starts with the forward's route kernels on the backward workspace
 (``fused._route``: histogram, counts exchange, layout): the same
 deterministic slots as the forward, and the exchange zeroes this call's
-arrival and task counters (the backward's counters below are the first
-five control words, the ones it zeroes).
+arrival and task counters (the backward's four counters below are among
+the first ``NUM_TASK_COUNTERS`` control words, which it zeroes).
 
 Sequential schedule: the same kernels, one task kind per launch. Fused: BA
-with dispatch and tiles, BB with tiles, wgrad and reduce (the wgrad tasks
-fill the time in which dA rows cross the link). Same binaries, same tiles,
+with dispatch and tiles, BB with tiles and reduce. Same binaries, same tiles,
 same slots: bitwise equal gradients.
 """
 
@@ -73,7 +71,6 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
-from .route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
@@ -94,18 +91,13 @@ CTL_BWD_DISPATCH = 0
 CTL_BWD_DH = 1
 CTL_BWD_DA = 2
 CTL_BWD_REDUCE = 3
-CTL_BWD_WGRAD = 4
-NUM_BWD_COUNTERS = 5
+NUM_BWD_COUNTERS = 4
 assert NUM_BWD_COUNTERS <= NUM_TASK_COUNTERS
 
 _CTL_BWD_DISPATCH = tl.constexpr(CTL_BWD_DISPATCH)
 _CTL_BWD_DH = tl.constexpr(CTL_BWD_DH)
 _CTL_BWD_DA = tl.constexpr(CTL_BWD_DA)
 _CTL_BWD_REDUCE = tl.constexpr(CTL_BWD_REDUCE)
-_CTL_BWD_WGRAD = tl.constexpr(CTL_BWD_WGRAD)
-_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
-_ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
-_ROW_ROWS = tl.constexpr(ROW_ROWS)
 _BAD_SLOT = tl.constexpr(BAD_SLOT)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
@@ -506,192 +498,6 @@ def grad_input_tile(
 
 
 @triton.jit
-def _wgrad13_rows(acc1, acc3, m0, hi, offs_r, tokens, slot_copy, slot_score, dh1, dh3, offs_h, mask_h, offs_d,
-                  mask_d, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-                  SCORE_BEFORE: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
-    """acc1 += dh1[m0:m0+BR, h]^T a[m0:m0+BR, d] (acc3 alike with dh3), rows below ``hi``."""
-    offs_m = m0 + offs_r
-    mask_m = offs_m < hi
-    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
-    token_row = (copy_id // TOP_K).to(tl.int64)
-    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-    if EVEN:
-        a = tl.load(tokens + token_row[:, None] * (2 * DIM) + offs_d[None, :], mask=mask_m[:, None], other=0.0,
-                    cache_modifier=".cg")
-        g1 = tl.load(dh1 + at, mask=mask_m[:, None], other=0.0)
-        g3 = tl.load(dh3 + at, mask=mask_m[:, None], other=0.0)
-    else:
-        a = tl.load(tokens + token_row[:, None] * (2 * DIM) + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        g1 = tl.load(dh1 + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-        g3 = tl.load(dh3 + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-    if SCORE_BEFORE:
-        score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
-        a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
-    acc1 = tl.dot(tl.trans(g1), a, acc1, input_precision=PRECISION)
-    acc3 = tl.dot(tl.trans(g3), a, acc3, input_precision=PRECISION)
-    return acc1, acc3
-
-
-@triton.jit
-def _wgrad2_rows(acc, m0, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h, offs_d, mask_d,
-                 DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, EVEN: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """acc += dOut[m0:m0+BR, d]^T h[m0:m0+BR, h], rows below ``hi`` (``h``
-    holds ``s * h`` when scores come after the experts, see ``grad_hidden_tile``)."""
-    offs_m = m0 + offs_r
-    mask_m = offs_m < hi
-    copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
-    token_row = (copy_id // TOP_K).to(tl.int64)
-    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-    if EVEN:
-        dy = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_d[None, :], mask=mask_m[:, None],
-                     other=0.0, cache_modifier=".cg")
-        hh = tl.load(hp + at, mask=mask_m[:, None], other=0.0)
-    else:
-        dy = tl.load(tokens + token_row[:, None] * (2 * DIM) + DIM + offs_d[None, :],
-                     mask=mask_m[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        hh = tl.load(hp + at, mask=mask_m[:, None] & mask_h[None, :], other=0.0)
-    return tl.dot(tl.trans(dy), hh, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def weight_grad_task(
-    task, tasks_w13, rank_base, route_tables_ptr, h_ptr, dh1_ptr, dh3_ptr, h_rank_stride,
-    dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-    off_tokens, off_slot_copy, off_slot_score,
-    NUM_LOCAL: tl.constexpr, NUM_EXPERTS_LOCAL: tl.constexpr, NUM_EXPERTS: tl.constexpr, DIM: tl.constexpr,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr,
-    BR: tl.constexpr, WG: tl.constexpr, WSTAGES: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """One (rank, expert, H block of ``WH``, ``WG`` consecutive D blocks of
-    ``WD``) of dW1 and dW3 (tasks below ``tasks_w13``) or of dW2, each output
-    block accumulated over every row of the expert in slot order, ``BR`` rows
-    a step (one software-pipelined loop over all blocks and steps on the GPU;
-    the interpreter, which cannot run a loop with loaded bounds, runs the same
-    steps in a while loop)."""
-    EVEN: tl.constexpr = (HIDDEN % WH == 0) & (DIM % WD == 0)
-    local = task % NUM_LOCAL
-    rank = rank_base + local
-    rank_task = task // NUM_LOCAL
-    is_w13 = rank_task < tasks_w13
-    rank_task = tl.where(is_w13, rank_task, rank_task - tasks_w13)
-    hb = tl.cdiv(HIDDEN, WH)
-    db = tl.cdiv(DIM, WD)
-    dgroups = tl.cdiv(db, WG)
-    per_expert = hb * dgroups
-    expert = rank_task // per_expert
-    block = rank_task % per_expert
-    # This expert's slots on this rank: [first slot, + rows) from the route tables.
-    tables = route_tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + expert
-    lo = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS)
-    hi = lo + tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
-    tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens)
-    slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
-    slot_score = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score)
-    hidden_at = local.to(tl.int64) * h_rank_stride
-    weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
-    offs_r = tl.arange(0, BR)
-    offs_h = (block // dgroups) * WH + tl.arange(0, WH)
-    mask_h = offs_h < HIDDEN
-    first = (block % dgroups) * WG
-    num_blocks = tl.minimum(WG, db - first)
-    steps = tl.cdiv(hi - lo, BR)
-    dh1 = dh1_ptr + hidden_at
-    dh3 = dh3_ptr + hidden_at
-    hp = h_ptr + hidden_at
-    # One flat loop over (D block, row step): the software pipeline runs on
-    # from one output block into the next instead of refilling per block
-    # (an expert has few rows: ~256 on deepseek-like shapes, 4 steps).
-    total = num_blocks * steps
-    if is_w13:
-        # dW1[e][h, d] = sum_m dh1[m, h] a[m, d] (dW3 alike): out (H, D).
-        acc1 = tl.zeros((WH, WD), dtype=tl.float32)
-        acc3 = tl.zeros((WH, WD), dtype=tl.float32)
-        if INTERPRET:
-            it = 0
-            while it < total:
-                acc1, acc3 = _wgrad13_step(acc1, acc3, it, steps, first, lo, hi, offs_r, tokens, slot_copy,
-                                           slot_score, dh1, dh3, offs_h, mask_h, dw1_ptr, dw3_ptr, weights,
-                                           DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, EVEN, PRECISION)
-                it += 1
-        else:
-            for it in tl.range(0, total, num_stages=WSTAGES):
-                acc1, acc3 = _wgrad13_step(acc1, acc3, it, steps, first, lo, hi, offs_r, tokens, slot_copy,
-                                           slot_score, dh1, dh3, offs_h, mask_h, dw1_ptr, dw3_ptr, weights,
-                                           DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, EVEN, PRECISION)
-    else:
-        # dW2[e][d, h] = sum_m dOut[m, d] (s h)[m, h] (scores after; dOut h before): out (D, H).
-        acc = tl.zeros((WD, WH), dtype=tl.float32)
-        if INTERPRET:
-            it = 0
-            while it < total:
-                acc = _wgrad2_step(acc, it, steps, first, lo, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h,
-                                   dw2_ptr, weights, DIM, HIDDEN, TOP_K, WH, WD, BR, EVEN, PRECISION)
-                it += 1
-        else:
-            for it in tl.range(0, total, num_stages=WSTAGES):
-                acc = _wgrad2_step(acc, it, steps, first, lo, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h,
-                                   dw2_ptr, weights, DIM, HIDDEN, TOP_K, WH, WD, BR, EVEN, PRECISION)
-    if steps == 0:  # an expert without rows: zero gradients
-        for j in range(0, WG):
-            if j < num_blocks:
-                offs_d = (first + j) * WD + tl.arange(0, WD)
-                mask_d = offs_d < DIM
-                if is_w13:
-                    out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
-                    mask = mask_h[:, None] & mask_d[None, :]
-                    zero = tl.zeros((WH, WD), dtype=dw1_ptr.dtype.element_ty)
-                    tl.store(dw1_ptr + out, zero, mask=mask)
-                    tl.store(dw3_ptr + out, zero, mask=mask)
-                else:
-                    out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-                    tl.store(dw2_ptr + out, tl.zeros((WD, WH), dtype=dw2_ptr.dtype.element_ty),
-                             mask=mask_d[:, None] & mask_h[None, :])
-
-
-@triton.jit
-def _wgrad13_step(acc1, acc3, it, steps, first, lo, hi, offs_r, tokens, slot_copy, slot_score, dh1, dh3, offs_h,
-                  mask_h, dw1_ptr, dw3_ptr, weights, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-                  SCORE_BEFORE: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr, BR: tl.constexpr,
-                  EVEN: tl.constexpr, PRECISION: tl.constexpr):
-    """Step ``it`` of the flat (D block, row step) loop of dW1/dW3: rows
-    ``lo + step * BR``; the last step of a block stores it and restarts."""
-    j = it // steps
-    step = it - j * steps
-    offs_d = (first + j) * WD + tl.arange(0, WD)
-    mask_d = offs_d < DIM
-    acc1, acc3 = _wgrad13_rows(acc1, acc3, lo + step * BR, hi, offs_r, tokens, slot_copy, slot_score, dh1, dh3,
-                               offs_h, mask_h, offs_d, mask_d, DIM, HIDDEN, TOP_K, SCORE_BEFORE, EVEN, PRECISION)
-    if step == steps - 1:
-        out = weights + offs_h[:, None].to(tl.int64) * DIM + offs_d[None, :]
-        mask = mask_h[:, None] & mask_d[None, :]
-        tl.store(dw1_ptr + out, acc1.to(dw1_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw3_ptr + out, acc3.to(dw3_ptr.dtype.element_ty), mask=mask)
-        acc1 = tl.zeros((WH, WD), dtype=tl.float32)
-        acc3 = tl.zeros((WH, WD), dtype=tl.float32)
-    return acc1, acc3
-
-
-@triton.jit
-def _wgrad2_step(acc, it, steps, first, lo, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h, dw2_ptr, weights,
-                 DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, WH: tl.constexpr, WD: tl.constexpr,
-                 BR: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
-    """Step ``it`` of the flat loop of dW2 (see ``_wgrad13_step``)."""
-    j = it // steps
-    step = it - j * steps
-    offs_d = (first + j) * WD + tl.arange(0, WD)
-    mask_d = offs_d < DIM
-    acc = _wgrad2_rows(acc, lo + step * BR, hi, offs_r, tokens, slot_copy, hp, offs_h, mask_h, offs_d, mask_d,
-                       DIM, HIDDEN, TOP_K, EVEN, PRECISION)
-    if step == steps - 1:
-        out = weights + offs_d[:, None].to(tl.int64) * HIDDEN + offs_h[None, :]
-        tl.store(dw2_ptr + out, acc.to(dw2_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_h[None, :])
-        acc = tl.zeros((WD, WH), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
 def reduce_grad_task(
     task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
     x_ptr, x_rank_stride, dx_ptr, ds_ptr, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
@@ -747,25 +553,19 @@ def reduce_grad_task(
             tl.store(ds_ptr + route, ds, mask=mask_tk)
 
 
-@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_tiles", "do_wgrad", "do_reduce", "timeout"])
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_tiles", "do_reduce", "timeout"])
 def grad_input_combine_kernel(
-    h_ptr,  # (L, S, H)
     dh1_ptr,  # (L, S, H)
     dh3_ptr,  # (L, S, H)
     h_rank_stride,
     w1_ptr,  # (L, El, H, D)
-    w2_ptr,  # (L, El, D, H)
     w3_ptr,  # (L, El, H, D)
-    dw1_ptr,  # (L, El, H, D) out
-    dw2_ptr,  # (L, El, D, H) out
-    dw3_ptr,  # (L, El, H, D) out
     weight_rank_stride,
     tile_expert_ptr,  # (L, C) int32
     tile_start_ptr,
     tile_end_ptr,
     tile_rank_stride,
     num_tiles_ptr,  # (L,) int32
-    route_tables_ptr,  # (L, 5, E) int32
     ds_parts_ptr,  # (L, S, NHB) fp32 (scores after the experts)
     ds_parts_rank_stride,
     scores_ptr,  # (L, T, K) fp32
@@ -781,9 +581,7 @@ def grad_input_combine_kernel(
     i32_anchor,
     f32_anchor,
     anchor_rank,
-    off_tokens,
     off_slot_copy,
-    off_slot_score,
     off_returned,
     off_returned_f32,  # fp32 element offset of ``returned``
     off_token_arrivals,
@@ -791,12 +589,9 @@ def grad_input_combine_kernel(
     token_capacity,
     slot_capacity,
     do_tiles,
-    do_wgrad,
     do_reduce,
     timeout,
     NUM_LOCAL: tl.constexpr,
-    NUM_EXPERTS_LOCAL: tl.constexpr,
-    NUM_EXPERTS: tl.constexpr,
     DIM: tl.constexpr,
     HIDDEN: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -806,11 +601,6 @@ def grad_input_combine_kernel(
     BK: tl.constexpr,
     NHB: tl.constexpr,  # column blocks of the dH tiles (score partials per slot)
     NHBP: tl.constexpr,  # next power of two >= NHB
-    WH: tl.constexpr,
-    WD: tl.constexpr,
-    BR: tl.constexpr,
-    WG: tl.constexpr,
-    WSTAGES: tl.constexpr,
     GROUP_M: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
@@ -819,7 +609,6 @@ def grad_input_combine_kernel(
     PARTS_AT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     col_blocks = tl.cdiv(DIM, BN)
     if do_tiles != 0:
@@ -852,21 +641,6 @@ def grad_input_combine_kernel(
                         RET_ROW_F32, PARTS_AT_F32, PRECISION,
                     )
             task = next_task(control_ptr, _CTL_BWD_DA)
-
-    if do_wgrad != 0:
-        tasks_w13 = NUM_EXPERTS_LOCAL * tl.cdiv(HIDDEN, WH) * tl.cdiv(tl.cdiv(DIM, WD), WG)
-        total = NUM_LOCAL * 2 * tasks_w13
-        task = next_task(control_ptr, _CTL_BWD_WGRAD)
-        while task < total:
-            if has_failed(control_ptr + (task % NUM_LOCAL) * _CONTROL_WORDS) == 0:
-                weight_grad_task(
-                    task, tasks_w13, rank_base, route_tables_ptr, h_ptr, dh1_ptr, dh3_ptr,
-                    h_rank_stride, dw1_ptr, dw2_ptr, dw3_ptr, weight_rank_stride, arena_ptrs, act_anchor,
-                    i32_anchor, f32_anchor, anchor_rank, off_tokens, off_slot_copy, off_slot_score,
-                    NUM_LOCAL, NUM_EXPERTS_LOCAL, NUM_EXPERTS, DIM, HIDDEN, TOP_K, SCORE_BEFORE, WH, WD, BR, WG,
-                    WSTAGES, PRECISION, INTERPRET,
-                )
-            task = next_task(control_ptr, _CTL_BWD_WGRAD)
 
     if do_reduce != 0:
         max_tokens = 0
