@@ -14,7 +14,7 @@ if [ "${PART:-A}" = A ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_backward.py > $W/gpu_tests.log 2>&1; echo "gpu tests exit $?"; tail -3 $W/gpu_tests.log; grep -E "^FAILED|Error" $W/gpu_tests.log | head -8
   timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node 2 tests/gpu/ep_backward_worker.py > $W/ep.log 2>&1; echo "ep exit $?"
   grep -E "saved_h13|no host sync|ALL PASS|FAILURES|Error" $W/ep.log | head -12
-  timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m titan_uniep.bench_backward --shapes qwen3,deepseek,mixtral --check --warmup 2 --reps 5 --sweep-tiles '[{"wgrad": "triton"}]' --profile > $W/bench.log 2>&1; echo "bench exit $?"
+  timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m titan_uniep.bench_backward --shapes qwen3,deepseek,mixtral --check --warmup 2 --reps 5 --sweep-tiles '[{"wgrad": "triton"}, {"dh_programs_per_sm": 1}]' --profile > $W/bench.log 2>&1; echo "bench exit $?"
   grep -E "^\||JSON|Error|Traceback|failed|wgrad|gather|grouped|Kernel|kernel" $W/bench.log | cut -c1-600 | head -150
 else
   train() { local name=$1 cfg=$2 steps=$3; shift 3; NGPU=2 CONFIG_FILE=train_configs/$cfg.toml timeout ${TT:-75} ./run_train.sh --training.steps $steps --job.dump_folder $W/$name "$@" > $W/$name.log 2>&1; echo "train $name exit $?: $(grep -a 'step:' $W/$name.log | tail -1 | sed 's/.*step:/step:/')"; grep -a -E "Error|Traceback" $W/$name.log | head -3; }

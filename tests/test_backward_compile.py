@@ -68,7 +68,8 @@ def compile_all() -> None:
     from triton.compiler import ASTSource
 
     from titan_uniep.fused_backward import backward_block_sizes
-    from titan_uniep.kernels.backward import dispatch_grad_hidden_kernel, grad_input_combine_kernel
+    from titan_uniep.kernels.backward import (dispatch_grad_hidden_kernel, grad_input_combine_kernel,
+                                              swiglu_backward_kernel)
     from titan_uniep.kernels.tuning import KernelConfig
     from titan_uniep.kernels.wgrad import expert_weight_grad_kernel
 
@@ -109,11 +110,13 @@ def compile_all() -> None:
     ba = dict(**anchors, x_ptr=bf, g_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
               num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
               w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, h13_ptr=bf,
-              control_ptr=i64, arena_ptrs=i64)
+              g32_ptr=f32, control_ptr=i64, arena_ptrs=i64)
     bb = dict(**anchors, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w3_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32,
               tile_end_ptr=i32, num_tiles_ptr=i32, ds_parts_ptr=f32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf,
               dx_ptr=bf, ds_ptr=f32, control_ptr=i64, arena_ptrs=i64)
     wg = dict(a1_ptr=bf, a2_ptr=bf, b_ptr=bf, tables_ptr=i32, out1_ptr=bf, out2_ptr=bf)
+    sw = dict(g32_ptr=f32, h13_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, tables_ptr=i32,
+              arena_ptrs=i64, f32_anchor=f32)
     for score_before in (False, True):
         shapes = ((2048, 768, True), (96, 80, False)) + (((7168, 2048, True),) if not score_before else ())
         for dim, hidden, even in shapes:
@@ -131,6 +134,13 @@ def compile_all() -> None:
                 NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=blocks["da"], BT=16, BD=256,
                 RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, **shape))
             check(kernel, f"BB (dA + reduce) {what}", 1, even)
+            # The SwiGLU backward pass after dH tiles with saved h1 | h3 (no GEMM: no spills).
+            kernel = build(swiglu_backward_kernel, sw, dict(HIDDEN=hidden, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128,
+                                                            SCORE_BEFORE=score_before, BS=32, BN=blocks["dh"]),
+                           num_warps=4, num_stages=1)
+            regs, spills = ptxas_usage(kernel.asm["ptx"])
+            print(f"SwiGLU backward pass {what}: {regs} registers, {spills} B spilled")
+            assert spills == 0, f"SwiGLU backward pass {what}: ptxas spills {spills} bytes"
             if score_before:
                 continue
             # The Triton weight-gradient kernel (the GPU's fallback where torch._grouped_mm

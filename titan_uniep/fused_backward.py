@@ -6,7 +6,9 @@ the output gradient, on the same deterministic layout as the forward:
     route kernels (the forward's, on the backward workspace: same slots)
     -> megakernel BA: dispatch [x | dOut] + recompute h1, h3 + G = dOut @ w2
        + SwiGLU backward (h, dh1, dh3 per slot; router-score partials
-       <G, h> when scores come after the experts)
+       <G, h> when scores come after the experts); with h1 | h3 saved by
+       the forward, the tiles only compute G (fp32, per slot) and
+       ``swiglu_backward_kernel`` runs the SwiGLU backward as a streaming pass
     -> megakernel BB: dA = dh1 @ w1 + dh3 @ w3 sent back and combined over k
        (dx, router-score grads)
     -> weight grads (``kernels.wgrad``, no communication): each slot's x and
@@ -21,17 +23,18 @@ TorchTitan's autograd keeps them); without it, h1 and h3 are recomputed
 from x (fc1, two GEMMs, again). x is dispatched again next to dOut (one
 ``2 * D`` row per token and destination rank) for dW1/dW3; h is rebuilt from
 h1 and h3. The router-score gradient ``<dOut, y>`` needs no fc2 recompute
-(``= <dOut @ w2, h>``). Memory: the backward workspace, plus ``saved_h13``.
+(``= <dOut @ w2, h>``). Memory: the backward workspace (with saved h1 | h3
+also its fp32 G buffer, ``slot_capacity x H x 4`` bytes), plus ``saved_h13``.
 
 ``schedule="sequential"`` launches every task kind separately (dispatch, dH
-tiles, dA tiles, weight grads, reduce); ``"fused"`` runs dispatch and dH tiles
-in one persistent grid (every program dispatches first, then takes dH tiles,
-which wait, bounded, on their arrival counters), dA tiles and reduce in
-another, then the weight grads. Same layout, same compiled tiles, the same
-weight-gradient launches: every gradient is bitwise equal between the
-schedules and run to run. Nothing syncs with the
-host (errors are polled lazily, as in the forward; ``error_check="sync"``
-checks at the end of the call).
+tiles, SwiGLU backward pass, dA tiles, weight grads, reduce); ``"fused"`` runs
+dispatch and dH tiles in one persistent grid (every program dispatches first,
+then takes dH tiles, which wait, bounded, on their arrival counters), then the
+SwiGLU pass (saved h1 | h3 only), then dA tiles and reduce in another
+persistent grid, then the weight grads. Same layout, same compiled tiles, the same
+SwiGLU and weight-gradient launches: every gradient is bitwise equal between
+the schedules and run to run. Nothing syncs with the host (errors are polled
+lazily, as in the forward; ``error_check="sync"`` checks at the end of the call).
 
 Shapes (``T`` tokens of this rank, ``D`` dim, ``H`` expert hidden, ``K``
 experts per token, ``El`` local experts), all as the forward
@@ -54,7 +57,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .kernels.backward import dispatch_grad_hidden_kernel, grad_input_combine_kernel
+from .kernels.backward import dispatch_grad_hidden_kernel, grad_input_combine_kernel, swiglu_backward_kernel
 from .kernels.route import ROW_EXPERT_BASE, ROW_ROWS
 from .kernels.wgrad import expert_weight_grad_kernel, gather_slot_rows_kernel
 from .kernels.sync import BAD_SLOT, WAIT_COUNTS_FLAG, WAIT_TILE_ROWS, WAIT_TOKEN_ROWS
@@ -79,8 +82,8 @@ Schedule = Literal["sequential", "fused"]
 
 # Launches of each schedule; "+" joins task kinds run by one persistent grid.
 _PHASES = {
-    "fused": ("dispatch+dh", "da+reduce", "wgrad"),
-    "sequential": ("dispatch", "dh", "da", "wgrad", "reduce"),
+    "fused": ("dispatch+dh", "swiglu", "da+reduce", "wgrad"),
+    "sequential": ("dispatch", "dh", "swiglu", "da", "wgrad", "reduce"),
 }
 
 _WHAT = {
@@ -123,6 +126,17 @@ class BackwardWorkspace:
                                     device=inner.device)
         self.slot_rows = torch.empty(inner.num_local_ranks, 2, inner.shape.slot_capacity, self.dim,
                                      dtype=inner.shape.dtype, device=inner.device)
+        self.g32 = None  # (L, S, H) fp32, allocated by the first call with saved h1 | h3
+
+    def g32_buffer(self) -> torch.Tensor:
+        """G = dOut @ w2 per slot in fp32 (the dH tiles' output when h1 | h3 are
+        saved; ``swiglu_backward_kernel`` reads it). Allocated on first use."""
+        if self.g32 is None:
+            inner = self.inner
+            if inner.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("BackwardWorkspace: call once with saved h1 | h3 outside CUDA-graph capture first")
+            self.g32 = torch.empty(inner.h.shape, dtype=torch.float32, device=inner.device)
+        return self.g32
 
     def ds_parts_for(self, col_blocks: int) -> torch.Tensor:
         """The score-partial buffer for dH tiles of ``col_blocks`` column blocks
@@ -164,7 +178,8 @@ class BackwardWorkspace:
         sizes["dh1"] = sizes["dh3"] = sizes["h"]
         sizes["ds_parts"] = self.ds_parts[0].numel() * 4
         sizes["slot_rows"] = self.slot_rows[0].numel() * self.slot_rows.element_size()
-        sizes["total"] += 2 * sizes["h"] + sizes["ds_parts"] + sizes["slot_rows"]
+        sizes["g32"] = 0 if self.g32 is None else self.g32[0].numel() * 4
+        sizes["total"] += 2 * sizes["h"] + sizes["ds_parts"] + sizes["slot_rows"] + sizes["g32"]
         return sizes
 
     def ensure_capacity(self, num_tokens: int) -> bool:
@@ -185,6 +200,8 @@ class BackwardWorkspace:
         self.dh3.fill_(float("nan"))
         self.ds_parts.fill_(float("nan"))
         self.slot_rows.fill_(float("nan"))
+        if self.g32 is not None:
+            self.g32.fill_(float("nan"))
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a backward kernel of this rank timed out (syncs)."""
@@ -331,7 +348,9 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 #   the gathered rows are read twice), 0: one loop with all three (then
 #   ``dh`` <= 64 fits the registers); ``bk``: the K step of dH and dA;
 # - ``da``: columns of D of the dA tile (one accumulator);
-# - ``stages``: software-pipelining depth of the dH and dA loops; ``warps``.
+# - ``stages``: software-pipelining depth of the dH and dA loops; ``warps``;
+# - ``dh_programs_per_sm``: programs of megakernel BA per SM when h1 | h3 are
+#   saved (its dH tile is then a plain GEMM tile, 128 registers: two fit);
 # - ``wgrad``: who computes the weight gradients from the dense slot rows:
 #   ``"grouped_mm"`` (``torch._grouped_mm``, bf16 on sm_90+), ``"triton"``
 #   (``kernels.wgrad.expert_weight_grad_kernel``) or ``"auto"`` (the first
@@ -343,7 +362,7 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 # kernel by the one-GPU probe of "Backward, run 9" (scripts/probe_wgrad.py:
 # dense TMA operands 1.6-1.9x the gathered ones on mixtral/qwen3-like shapes;
 # torch._grouped_mm faster still on all three shapes, hence "auto").
-BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, stages=3, warps=8, wgrad="auto",
+BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, stages=3, warps=8, dh_programs_per_sm=2, wgrad="auto",
                       wgrad_w13=(128, 128, 64, 8, 4), wgrad_w2=(128, 256, 64, 8, 3))
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
 
@@ -355,8 +374,8 @@ def backward_block_sizes(cfg: KernelConfig) -> dict:
         return dict(BACKWARD_TILES)
     small = (cfg.block_n_fc1, cfg.block_n_fc1, cfg.block_k, cfg.num_warps, max(1, cfg.num_stages))
     return dict(dh=cfg.block_n_fc1, dh_two_pass=BACKWARD_TILES["dh_two_pass"], da=cfg.block_n_fc2, bk=cfg.block_k,
-                stages=max(1, cfg.num_stages), warps=cfg.num_warps, wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small,
-                wgrad_w2=small)
+                stages=max(1, cfg.num_stages), warps=cfg.num_warps, dh_programs_per_sm=1,
+                wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small, wgrad_w2=small)
 
 
 def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -460,14 +479,21 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     h = ws.h
     h13 = a.get("h13")
+    g32 = bws.g32_buffer() if h13 is not None else h
+
+    # With saved h1 | h3 the dH tile is a plain GEMM tile (128 registers): two
+    # programs per SM let one's fp32 G stores overlap the other's K-loop.
+    # (Every program dispatches before it takes a tile, so programs that are
+    # not resident yet cannot hold up a waiting tile.)
+    grid_ba = (grid[0] * (blocks["dh_programs_per_sm"] if h13 is not None and ws.device.type == "cuda" else 1),)
 
     def kernel_ba(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
-        dispatch_grad_hidden_kernel[grid](
+        dispatch_grad_hidden_kernel[grid_ba](
             a["x"], a["g"], a["x"].stride(0), a["scores"], a["dest_rank"], a["dest_slot"], a["dest_tile"],
             a["dest_rank"].stride(0), a["num_tokens"], a["tile_expert"], a["tile_start"], a["tile_end"],
             a["tile_expert"].stride(0), a["num_tiles"], a["w1"], a["w2"], a["w3"], a["w1"].stride(0),
             h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), h if h13 is None else h13,
-            h.stride(0) if h13 is None else h13.stride(0), ws.control, ws.arena_ptrs, act, i32,
+            h.stride(0) if h13 is None else h13.stride(0), g32, ws.control, ws.arena_ptrs, act, i32,
             f32, ws.anchor_rank, off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
             ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
             do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout,
@@ -499,11 +525,20 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             # source, so tiles started early only spin (measured: 3.7 ms for BA with
             # 16 dispatching programs against 1.8 ms for the two sequential
             # launches, qwen3-like on 2 x H200).
-            kernel_ba(1, 1, grid[0])
+            kernel_ba(1, 1, grid_ba[0])
         elif phase == "dispatch":
-            kernel_ba(1, 0, grid[0])
+            kernel_ba(1, 0, grid_ba[0])
         elif phase == "dh":
             kernel_ba(0, 1, 0)
+        elif phase == "swiglu":
+            if h13 is not None:  # else the dH tiles did it
+                block_s = 32
+                swiglu_backward_kernel[(triton.cdiv(s.slot_capacity, block_s), col_blocks_dh, ws.num_local_ranks)](
+                    g32, h13, h13.stride(0), h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0),
+                    a["route_tables"], ws.arena_ptrs, f32, ws.anchor_rank, off["slot_score"], ws.rank_base,
+                    HIDDEN=hidden, NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts,
+                    SCORE_BEFORE=score_before, BS=block_s, BN=blocks["dh"], num_warps=4,
+                )
         elif phase == "da+reduce":
             kernel_bb(1, 1)
         elif phase == "da":

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from titan_uniep import fused_backward
+from titan_uniep.fused import simulated_moe_forward
 from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
+from titan_uniep.symm import Workspace
 from titan_uniep.reference_math import float64_moe_reference
 
 pytestmark = pytest.mark.gpu
@@ -62,28 +64,36 @@ def float64_grads(w, score_before):
     return per_rank
 
 
-def check(w, *, score_before, wgrad="auto"):
+def check(w, *, score_before, wgrad="auto", saved=False):
     world = len(w["xs"])
     tiles = dict(fused_backward.BACKWARD_TILES)
     fused_backward.BACKWARD_TILES["wgrad"] = wgrad
     try:
-        _check(w, world, score_before)
+        _check(w, world, score_before, saved)
     finally:
         fused_backward.BACKWARD_TILES.clear()
         fused_backward.BACKWARD_TILES.update(tiles)
 
 
-def _check(w, world, score_before):
-    ws = BackwardWorkspace.simulated(world, num_tokens=max(max(len(x) for x in w["xs"]), 1), dim=DIM,
-                                     hidden=HIDDEN, num_experts=w["el"] * world, top_k=w["indices"][0].shape[1],
-                                     dtype=torch.bfloat16, device="cuda")
+def _check(w, world, score_before, saved):
+    num_tokens, top_k = max(max(len(x) for x in w["xs"]), 1), w["indices"][0].shape[1]
+    ws = BackwardWorkspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
+                                     num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda")
+    h13 = None
+    if saved:  # h1 | h3 saved by the forward, as the custom op runs it
+        fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
+                                  num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda")
+        h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"), device="cuda",
+                         dtype=torch.bfloat16)
+        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                              score_before_experts=score_before, workspace=fwd, saved_h13=h13)
     outs = {}
     for schedule in ("sequential", "fused", "fused_again"):
         ws.poison()
         outs[schedule] = simulated_moe_backward(
             w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
             schedule=schedule.replace("_again", ""), score_before_experts=score_before, workspace=ws,
-            poison_outputs=True,
+            poison_outputs=True, saved_h13=h13,
         )
     exact = float64_grads(w, score_before)
     for r in range(world):
@@ -121,3 +131,10 @@ def test_gpu_backward_weight_grad_backends(wgrad, score_before):
         pytest.skip("torch._grouped_mm runs on sm_90+")
     check(make_world(2, 16, 2, [5, 3], seed=11), score_before=score_before, wgrad=wgrad)
     check(make_world(2, 8, 3, [400, 333], seed=12, force=5), score_before=score_before, wgrad=wgrad)
+
+
+@pytest.mark.parametrize("world,score_before", [(2, False), (2, True), (8, False)])
+def test_gpu_backward_with_h1_h3_saved_by_the_forward(world, score_before):
+    """The op's path: dH tiles compute G only (two programs per SM), the SwiGLU
+    backward runs as its own pass; bitwise across schedules, close to float64."""
+    check(make_world(world, 16, 4, TOKENS[world], seed=20 + world), score_before=score_before, saved=True)

@@ -71,6 +71,7 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
+from .route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
@@ -102,6 +103,9 @@ _BAD_SLOT = tl.constexpr(BAD_SLOT)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
+_ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
+_ROW_ROWS = tl.constexpr(ROW_ROWS)
 
 
 @triton.jit
@@ -203,8 +207,43 @@ def _grad_out_w2(acc, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM
 
 
 @triton.jit
+def _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, h, dh1, dh3, ds_parts, col_block,
+                 HIDDEN: tl.constexpr, NHB: tl.constexpr, SCORE_BEFORE: tl.constexpr):
+    """SwiGLU backward of one block of slots x columns from ``G = dOut @ w2``
+    (fp32 ``acc_dh``) and the rounded ``h1``/``h3`` (``gate_lp``/``up_lp``):
+    stores h (``s * h`` scores after), dh1, dh3 and the block's router-score
+    partials (scores after)."""
+    out_ty = h.dtype.element_ty
+    # Rounding as torch autograd of TorchTitan's expert: every GEMM output and
+    # every elementwise result in the activation dtype, math in fp32. Values
+    # stay in the activation dtype between steps (fewer live registers).
+    if SCORE_BEFORE:
+        grad_lp = acc_dh.to(out_ty)
+    else:
+        grad_lp = (acc_dh * score[:, None]).to(out_ty)
+    gate = gate_lp.to(tl.float32)
+    act_lp = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+    hidden = (act_lp.to(tl.float32) * up_lp.to(tl.float32)).to(out_ty)
+    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if not SCORE_BEFORE:
+        # ds[t, k] = <dOut, y> = <dOut @ w2, h>: this column block's share, in fp32.
+        part = tl.sum(tl.where(mask, acc_dh * hidden.to(tl.float32), 0.0), axis=1)
+        tl.store(ds_parts + offs_m.to(tl.int64) * NHB + col_block, part, mask=mask_m)
+        # dW2 = (s * dOut)^T h is taken as dOut^T (s * h): the weight-gradient
+        # loop then feeds both operands to the tensor cores unmodified.
+        hidden = (hidden.to(tl.float32) * score[:, None]).to(out_ty)
+    tl.store(h + at, hidden, mask=mask)
+    grad = grad_lp.to(tl.float32)
+    tl.store(dh3 + at, (grad * act_lp.to(tl.float32)).to(out_ty), mask=mask)
+    grad_act = (grad * up_lp.to(tl.float32)).to(out_ty).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    tl.store(dh1 + at, (grad_act * (sig * (1.0 + gate * (1.0 - sig)))).to(out_ty), mask=mask)
+
+
+@triton.jit
 def grad_hidden_tile(
-    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, h13, m0, m1, col_block,
+    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, h13, g32, m0, m1, col_block,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO_PASS: tl.constexpr, SAVED_H13: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -216,7 +255,10 @@ def grad_hidden_tile(
     gathered ``[x | dOut]`` rows and the weight tiles are async copies).
     ``TWO_PASS``: one loop for h1/h3, then one for G (a wider tile, the
     gathered rows read twice); else all three in one loop. ``SAVED_H13``: h1
-    and h3 come from the forward (``h13`` ``(S, 2H)``), one loop for G only."""
+    and h3 come from the forward (``h13`` ``(S, 2H)``): the tile is one loop
+    for G and stores it in fp32 (``g32`` ``(S, H)``); ``swiglu_backward_kernel``
+    then does the rest (an epilogue here would be a streaming pass at a
+    fraction of the memory bandwidth, with nothing to overlap it)."""
     EVEN_K: tl.constexpr = DIM % BK == 0
     EVEN_N: tl.constexpr = HIDDEN % BN == 0
     NHB: tl.constexpr = (HIDDEN + BN - 1) // BN
@@ -240,10 +282,8 @@ def grad_hidden_tile(
     if SAVED_H13:
         acc_dh = _grad_out_w2(acc_dh, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM, HIDDEN, BK,
                               EVEN_K, EVEN_N, PRECISION)
-        saved = h13 + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
-        saved_mask = mask_m[:, None] & mask_n[None, :]
-        gate_lp = tl.load(saved, mask=saved_mask, other=0.0)
-        up_lp = tl.load(saved + HIDDEN, mask=saved_mask, other=0.0)
+        at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+        tl.store(g32 + at, acc_dh, mask=mask_m[:, None] & mask_n[None, :])
     elif TWO_PASS:
         # h1, h3 first (two accumulators), then G (one): three BN-wide
         # accumulators never live at once, so BN can be 128. The gathered
@@ -282,32 +322,9 @@ def grad_hidden_tile(
             b2_ptrs += BK * HIDDEN
         gate_lp = acc1.to(out_ty)
         up_lp = acc3.to(out_ty)
-    # Rounding as torch autograd of TorchTitan's expert: every GEMM output and
-    # every elementwise result in the activation dtype, math in fp32. Values
-    # stay in the activation dtype between steps (fewer live registers).
-    if SCORE_BEFORE:
-        grad_lp = acc_dh.to(out_ty)
-    else:
-        grad_lp = (acc_dh * score[:, None]).to(out_ty)
-    gate = gate_lp.to(tl.float32)
-    act_lp = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
-    hidden = (act_lp.to(tl.float32) * up_lp.to(tl.float32)).to(out_ty)
-    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if not SCORE_BEFORE:
-        # ds[t, k] = <dOut, y> = <dOut @ w2, h>: this column block's share, in fp32.
-        part = tl.sum(tl.where(mask, acc_dh * hidden.to(tl.float32), 0.0), axis=1)
-        tl.store(ds_parts + offs_m.to(tl.int64) * NHB + col_block, part, mask=mask_m)
-        # dW2 = (s * dOut)^T h is taken as dOut^T (s * h): the weight-gradient
-        # loop then feeds both operands to the tensor cores unmodified.
-        hidden = (hidden.to(tl.float32) * score[:, None]).to(out_ty)
-    tl.store(h + at, hidden, mask=mask)
-    grad = grad_lp.to(tl.float32)
-    tl.store(dh3 + at, (grad * act_lp.to(tl.float32)).to(out_ty), mask=mask)
-    grad_act = (grad * up_lp.to(tl.float32)).to(out_ty).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    tl.store(dh1 + at, (grad_act * (sig * (1.0 + gate * (1.0 - sig)))).to(out_ty), mask=mask)
-
+    if not SAVED_H13:
+        _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, h, dh1, dh3, ds_parts,
+                     col_block, HIDDEN, NHB, SCORE_BEFORE)
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_tiles", "num_dispatch_programs",
                                "silent_rank", "timeout"])
@@ -338,6 +355,7 @@ def dispatch_grad_hidden_kernel(
     ds_parts_rank_stride,
     h13_ptr,  # (L, S, 2H) h1 | h3 saved by the forward (SAVED_H13; any pointer otherwise)
     h13_rank_stride,
+    g32_ptr,  # (L, S, H) fp32 out: G = dOut @ w2 per slot (SAVED_H13; any pointer otherwise), h_rank_stride
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64
     act_anchor,
@@ -426,11 +444,65 @@ def dispatch_grad_hidden_kernel(
                         w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
                         h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
                         ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
-                        h13_ptr + local.to(tl.int64) * h13_rank_stride,
+                        h13_ptr + local.to(tl.int64) * h13_rank_stride, g32_ptr + hidden_at,
                         m0, m1, col_block, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, TWO_PASS, SAVED_H13,
                         PRECISION,
                     )
             task = next_task(control_ptr, _CTL_BWD_DH)
+
+
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base"])
+def swiglu_backward_kernel(
+    g32_ptr,  # (L, S, H) fp32: G = dOut @ w2 per slot (dH tiles with SAVED_H13)
+    h13_ptr,  # (L, S, 2H) h1 | h3 saved by the forward
+    h13_rank_stride,
+    h_ptr,  # (L, S, H) out
+    dh1_ptr,  # (L, S, H) out
+    dh3_ptr,  # (L, S, H) out
+    h_rank_stride,
+    ds_parts_ptr,  # (L, S, NHB) fp32 out (scores after the experts)
+    ds_parts_rank_stride,
+    tables_ptr,  # (L, ROUTE_TABLE_ROWS, E) int32
+    arena_ptrs,
+    f32_anchor,
+    anchor_rank,
+    off_slot_score,
+    rank_base,
+    HIDDEN: tl.constexpr,
+    NUM_EXPERTS_LOCAL: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    SCORE_BEFORE: tl.constexpr,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """The dH tiles' SwiGLU backward as a streaming pass (saved h1 | h3):
+    slots ``[pid0 * BS, + BS)`` below the rank's used rows x column block
+    ``pid1`` of ``BN`` (the dH tile width: the same score-partial blocks) of
+    local rank ``pid2``; the same arithmetic as the tile epilogue."""
+    local = tl.program_id(2)
+    rank = rank_base + local
+    tables = tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + NUM_EXPERTS_LOCAL - 1
+    used = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS) + tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
+    s0 = tl.program_id(0) * BS
+    if s0 < used:
+        NHB: tl.constexpr = (HIDDEN + BN - 1) // BN
+        col_block = tl.program_id(1)
+        offs_m = s0 + tl.arange(0, BS)
+        mask_m = offs_m < used
+        offs_n = col_block * BN + tl.arange(0, BN)
+        mask_n = offs_n < HIDDEN
+        mask = mask_m[:, None] & mask_n[None, :]
+        hidden_at = local.to(tl.int64) * h_rank_stride
+        at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+        acc_dh = tl.load(g32_ptr + hidden_at + at, mask=mask, other=0.0)
+        saved = h13_ptr + local.to(tl.int64) * h13_rank_stride + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
+        gate_lp = tl.load(saved, mask=mask, other=0.0)
+        up_lp = tl.load(saved + HIDDEN, mask=mask, other=0.0)
+        score = tl.load(arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score) + offs_m, mask=mask_m,
+                        other=0.0, cache_modifier=".cg")
+        _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, h_ptr + hidden_at,
+                     dh1_ptr + hidden_at, dh3_ptr + hidden_at,
+                     ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride, col_block, HIDDEN, NHB, SCORE_BEFORE)
 
 
 @triton.jit
