@@ -1,5 +1,11 @@
 """One-GPU probe: expert weight-gradient kernel variants against torch's grouped GEMM.
 
+The kernel (``kernels.wgrad.expert_weight_grad_kernel``) reads dense slot rows
+(tensor descriptors or pointer loads); the first version of this probe (the
+"Backward, run 9" table of docs/performance.md) also timed a variant that
+gathered the x / dOut rows through ``slot_copy``, which was slower and is not
+kept.
+
 Per rank of EP=2 (rows per local expert balanced, each expert's slot range
 padded to 128 rows; the padding and unused rows hold NaN, so a kernel that
 reads past an expert's rows fails the check). Prints, per shape and variant,
@@ -93,38 +99,27 @@ def reference(p):
     return out
 
 
-def run_kernel(p, kind, cfg, dense=None):
-    """kind: 'w13' or 'w2'; cfg: (BM, BN, BK, warps, stages, tma); dense: dense x / dy rows (S, D) or None."""
+def run_kernel(p, kind, cfg, dense):
+    """kind: 'w13' or 'w2'; cfg: (BM, BN, BK, warps, stages, tma); dense: the x (w13) or dOut (w2) rows (S, D)."""
     bm, bn, bk, warps, stages, tma = cfg
-    d, h, el, e, k = p["d"], p["h"], p["el"], p["e"], p["k"]
+    d, h, el, e = p["d"], p["h"], p["el"], p["e"]
     if kind == "w13":
         m, n = h, d
         out1 = torch.empty(el, h, d, device=p["dh1"].device, dtype=torch.bfloat16)
         out2 = torch.empty_like(out1)
-        a1, a2, a_stride = p["dh1"], p["dh3"], h
-        if dense is None:
-            b, b_stride, gather_b = p["tokens"], 2 * d, True
-        else:
-            b, b_stride, gather_b = dense, d, False
-        gather_a, two = False, True
+        a1, a2, b, two = p["dh1"], p["dh3"], dense, True
     else:
         m, n = d, h
         out1 = torch.empty(el, d, h, device=p["dh1"].device, dtype=torch.bfloat16)
         out2 = out1
-        if dense is None:
-            a1, a_stride, gather_a = p["tokens"][:, d:], 2 * d, True
-        else:
-            a1, a_stride, gather_a = dense, d, False
-        a2 = a1
-        b, b_stride, gather_b, two = p["hh"], h, False, False
+        a1, a2, b, two = dense, dense, p["hh"], False
     grid = (el * triton.cdiv(m, bm) * triton.cdiv(n, bn), 1)
 
     def go():
         expert_weight_grad_kernel[grid](
-            a1, a2, a_stride, 0, b, b_stride, 0, p["slot_copy"], 0, p["slot_copy"], 0, p["tables"], out1, out2, 0,
-            M=m, N=n, NUM_EXPERTS_LOCAL=el, NUM_EXPERTS=e, IDX_DIV=k, BM=bm, BN=bn, BK=bk, GROUP=8, TWO_A=two,
-            GATHER_A=gather_a, GATHER_B=gather_b, SCALE_B=False, TMA=tma, STAGES=stages, PRECISION="tf32",
-            INTERPRET=False, num_warps=warps, num_stages=stages,
+            a1, a2, a1.stride(0), 0, b, b.stride(0), 0, p["tables"], out1, out2, 0,
+            M=m, N=n, NUM_EXPERTS_LOCAL=el, NUM_EXPERTS=e, BM=bm, BN=bn, BK=bk, GROUP=8, TWO_A=two, TMA=tma,
+            STAGES=stages, PRECISION="tf32", INTERPRET=False, num_warps=warps, num_stages=stages,
         )
     return go, (out1, out2)
 
@@ -168,10 +163,8 @@ def main():
         res["gather_ms"] = bench(lambda: (p["tokens"][tok_idx]))
         for kind, cfgs, flop in (("w13", w13_cfgs, flop13), ("w2", w2_cfgs, flop2)):
             for cfg in cfgs:
-                for dense in (None, xs if kind == "w13" else dys):
-                    if dense is not None and not cfg[5]:
-                        continue
-                    label = f"{kind} {cfg} {'dense' if dense is not None else 'gather'}"
+                for dense in (xs if kind == "w13" else dys,):
+                    label = f"{kind} {cfg} {'tma' if cfg[5] else 'pointer loads'}"
                     try:
                         go, outs = run_kernel(p, kind, cfg, dense)
                         for o in outs:
