@@ -107,8 +107,9 @@ class BackwardWorkspace:
     Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
     element): symmetric ``2 * W * T * D * b`` (token rows) + ``2 * T * K * D * b``
     (returned) + small index/flag buffers; local ``3 * S * H * b`` +
-    ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` + the route arrays. Build it before CUDA-graph
-    capture; reuse it for every layer and step.
+    ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + the route
+    arrays, and ``4 * S * H`` (``g32``, once a call had saved h1 | h3). Build
+    it before CUDA-graph capture; reuse it for every layer and step.
     """
 
     def __init__(self, inner: Workspace, dim: int):
@@ -396,6 +397,18 @@ def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _ensure_tma_allocator() -> None:
+    """Tensor descriptors made on the device need Triton's scratch allocator:
+    set ours unless one is set already (in this thread's context)."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # another Triton layout: set ours
+        triton.set_allocator(_tma_allocator)
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_tma_allocator)
+
+
 def _weight_grads(bws: "BackwardWorkspace", a: dict, blocks: dict, score_before: bool, interpret: bool,
                   poison: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dW1, dW2, dW3 ``(L, El, ...)`` of every local rank: the dense slot rows,
@@ -439,7 +452,7 @@ def _weight_grads(bws: "BackwardWorkspace", a: dict, blocks: dict, score_before:
     # transposed A operand from shared memory only for 16-bit types).
     tma = ws.device.type == "cuda" and s.elem_size == 2 and dim % 8 == 0 and hidden % 8 == 0
     if tma:
-        triton.set_allocator(_tma_allocator)  # descriptors made on the device need scratch memory
+        _ensure_tma_allocator()
 
     def gemm(a1, a2, b, out1, out2, m, n, tiles, two):
         bm, bn, bk, warps, stages = tiles
