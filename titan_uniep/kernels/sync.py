@@ -145,8 +145,13 @@ def wait_counters_at_least(counters, mask, expected, timeout, USE_TIMER: tl.cons
 def next_task(control_row0, which):
     """Claim the next task id of counter ``which`` (one counter per launch
     phase, shared by every program of the launch; in the simulated world one
-    counter serves all ranks, so all ranks' producers come first)."""
-    return tl.atomic_add(control_row0 + which, 1).to(tl.int32)
+    counter serves all ranks, so all ranks' producers come first).
+
+    Relaxed: a claim orders nothing (every cross-program dependency has its
+    own release / acquire counter), and an acq_rel atomic here costs a memory
+    barrier plus an L1 invalidation per task, the barrier waiting for the
+    previous task's stores, remote ones included."""
+    return tl.atomic_add(control_row0 + which, 1, sem="relaxed").to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout"])
