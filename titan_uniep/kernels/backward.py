@@ -326,6 +326,7 @@ def grad_hidden_tile(
         _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, h, dh1, dh3, ds_parts,
                      col_block, HIDDEN, NHB, SCORE_BEFORE)
 
+
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_tiles", "num_dispatch_programs",
                                "silent_rank", "timeout"])
 def dispatch_grad_hidden_kernel(
@@ -495,7 +496,8 @@ def swiglu_backward_kernel(
         hidden_at = local.to(tl.int64) * h_rank_stride
         at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
         acc_dh = tl.load(g32_ptr + hidden_at + at, mask=mask, other=0.0)
-        saved = h13_ptr + local.to(tl.int64) * h13_rank_stride + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
+        saved = (h13_ptr + local.to(tl.int64) * h13_rank_stride + offs_m[:, None].to(tl.int64) * (2 * HIDDEN)
+                 + offs_n[None, :])
         gate_lp = tl.load(saved, mask=mask, other=0.0)
         up_lp = tl.load(saved + HIDDEN, mask=mask, other=0.0)
         score = tl.load(arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score) + offs_m, mask=mask_m,

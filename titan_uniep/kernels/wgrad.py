@@ -70,7 +70,8 @@ def gather_slot_rows_kernel(
         mask_s = offs_s < used
         copy = tl.load(arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy) + offs_s, mask=mask_s,
                        other=0, cache_modifier=".cg")
-        rows = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens) + (copy // TOP_K).to(tl.int64)[:, None] * (2 * DIM)
+        tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens)
+        rows = tokens + (copy // TOP_K).to(tl.int64)[:, None] * (2 * DIM)
         if SCORE_BEFORE:
             score = tl.load(arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score) + offs_s,
                             mask=mask_s, other=0.0, cache_modifier=".cg")
