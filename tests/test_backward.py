@@ -317,7 +317,7 @@ def test_weight_grad_backend_choice_and_errors():
     cpu = torch.device("cpu")
     assert wgrad_backend("auto", torch.bfloat16, cpu) == "triton"
     assert wgrad_backend("triton", torch.float32, cpu) == "triton"
-    with pytest.raises(ValueError, match="grouped_mm.*needs bf16 data on a CUDA GPU"):
-        wgrad_backend("grouped_mm", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="grouped_mm.*needs bf16 data on a CUDA GPU.*1024 local experts"):
+        wgrad_backend("grouped_mm", torch.bfloat16, cpu, 1024)
     with pytest.raises(ValueError, match="must be one of"):
         wgrad_backend("cublas", torch.bfloat16, cpu)

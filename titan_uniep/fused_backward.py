@@ -379,15 +379,21 @@ def backward_block_sizes(cfg: KernelConfig) -> dict:
                 wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small, wgrad_w2=small)
 
 
-def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device) -> str:
+# torch's sm_90 bf16 grouped GEMM (CUTLASS, grouped mode: each output tile
+# reduces over its group's whole K, no split-K) takes fewer than 1024 groups.
+GROUPED_MM_MAX_GROUPS = 1023
+
+
+def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_local_experts: int = 1) -> str:
     """The weight-gradient backend that runs for ``requested`` (see ``BACKWARD_TILES``)."""
     if requested not in WGRAD_BACKENDS:
         raise ValueError(f"wgrad backend must be one of {WGRAD_BACKENDS}, got {requested!r}")
     grouped = (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-               and torch.cuda.get_device_capability(device)[0] >= 9)
+               and num_local_experts <= GROUPED_MM_MAX_GROUPS and torch.cuda.get_device_capability(device)[0] >= 9)
     if requested == "grouped_mm" and not grouped:
-        raise ValueError("wgrad backend 'grouped_mm' needs bf16 data on a CUDA GPU of compute capability 9.0+ "
-                         "and torch._grouped_mm")
+        raise ValueError("wgrad backend 'grouped_mm' needs bf16 data on a CUDA GPU of compute capability 9.0+, "
+                         f"torch._grouped_mm and at most {GROUPED_MM_MAX_GROUPS} local experts "
+                         f"(got {dtype}, {device}, {num_local_experts} local experts)")
     if requested == "auto":
         return "grouped_mm" if grouped else "triton"
     return requested
@@ -427,7 +433,7 @@ def _weight_grads(bws: "BackwardWorkspace", a: dict, blocks: dict, score_before:
     )
     xs, dys = rows[:, 0], rows[:, 1]
     h, dh1, dh3 = ws.h, bws.dh1, bws.dh3
-    if wgrad_backend(blocks["wgrad"], s.dtype, ws.device) == "grouped_mm":
+    if wgrad_backend(blocks["wgrad"], s.dtype, ws.device, el) == "grouped_mm":
         # Each expert's slots are [base, base + rows), back to back in expert
         # order: the groups' end offsets; rows past the last are not read.
         tables = a["route_tables"]
