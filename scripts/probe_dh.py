@@ -20,8 +20,7 @@ from titan_uniep.fused import simulated_moe_forward
 from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
 from titan_uniep.symm import Workspace
 
-SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256, 8),
-          "mixtral": (8192, 4096, 14336, 8, 2)}
+from probe_common import simulated_world
 
 
 def main():
@@ -29,19 +28,11 @@ def main():
     ap.add_argument("--shape", default="qwen3")
     ap.add_argument("--variants", default="[{}]")
     args = ap.parse_args()
-    t, d, h, e, k = SHAPES[args.shape]
-    w, el, dev = 2, e // 2, torch.device("cuda")
-    torch.manual_seed(0)
-    xs = [torch.randn(t, d, device=dev, dtype=torch.bfloat16) for _ in range(w)]
-    gs = [torch.randn(t, d, device=dev, dtype=torch.bfloat16) for _ in range(w)]
-    scores, indices = [], []
-    for _ in range(w):
-        s, i = torch.randn(t, e, device=dev).softmax(-1).topk(k, dim=-1)
-        scores.append(s)
-        indices.append(i)
-    w1s = [torch.randn(el, h, d, device=dev, dtype=torch.bfloat16) * d ** -0.5 for _ in range(w)]
-    w3s = [torch.randn(el, h, d, device=dev, dtype=torch.bfloat16) * d ** -0.5 for _ in range(w)]
-    w2s = [torch.randn(el, d, h, device=dev, dtype=torch.bfloat16) * h ** -0.5 for _ in range(w)]
+    world = simulated_world(args.shape)
+    t, d, h, e, k = (world[n] for n in "tdhek")
+    w, dev = 2, torch.device("cuda")
+    xs, gs, scores, indices = world["xs"], world["grads"], world["scores"], world["indices"]
+    w1s, w2s, w3s = world["w1s"], world["w2s"], world["w3s"]
     ws = Workspace.simulated(w, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16,
                              device=dev)
     h13 = torch.empty(w, ws.shape.slot_capacity, 2 * h, device=dev, dtype=torch.bfloat16)

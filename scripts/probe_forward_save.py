@@ -16,26 +16,18 @@ from torch.profiler import ProfilerActivity, profile
 from titan_uniep.fused import simulated_moe_forward
 from titan_uniep.symm import Workspace
 
-SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256, 8),
-          "mixtral": (8192, 4096, 14336, 8, 2)}
+from probe_common import simulated_world, time_ms
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="mixtral")
     args = ap.parse_args()
-    t, d, h, e, k = SHAPES[args.shape]
-    w, el, dev = 2, e // 2, torch.device("cuda")
-    torch.manual_seed(0)
-    xs = [torch.randn(t, d, device=dev, dtype=torch.bfloat16) for _ in range(w)]
-    scores, indices = [], []
-    for _ in range(w):
-        s, i = torch.randn(t, e, device=dev).softmax(-1).topk(k, dim=-1)
-        scores.append(s)
-        indices.append(i)
-    w1s = [torch.randn(el, h, d, device=dev, dtype=torch.bfloat16) * d ** -0.5 for _ in range(w)]
-    w3s = [torch.randn(el, h, d, device=dev, dtype=torch.bfloat16) * d ** -0.5 for _ in range(w)]
-    w2s = [torch.randn(el, d, h, device=dev, dtype=torch.bfloat16) * h ** -0.5 for _ in range(w)]
+    world = simulated_world(args.shape)
+    t, d, h, e, k = (world[n] for n in "tdhek")
+    w, dev = 2, torch.device("cuda")
+    xs, scores, indices = world["xs"], world["scores"], world["indices"]
+    w1s, w2s, w3s = world["w1s"], world["w2s"], world["w3s"]
     ws = Workspace.simulated(w, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16,
                              device=dev)
     h13 = torch.empty(w, ws.shape.slot_capacity, 2 * h, device=dev, dtype=torch.bfloat16)
@@ -49,15 +41,7 @@ def main():
             for _ in range(2):
                 o = call()
             outs[(schedule, save)] = [x.clone() for x in o]
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                call()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
+            median = time_ms(call, reps=5, warmup=0)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
@@ -66,7 +50,7 @@ def main():
                 if ev.device_type.name == "CUDA":
                     kern[ev.name[:40]] += ev.device_time / 1000
             top = sorted(kern.items(), key=lambda kv: -kv[1])[:4]
-            print(f"{args.shape} {schedule:10s} save={save!s:5s} median {sorted(times)[2]:.2f} ms; kernels: "
+            print(f"{args.shape} {schedule:10s} save={save!s:5s} median {median:.2f} ms; kernels: "
                   + ", ".join(f"{n} {v:.2f}" for n, v in top), flush=True)
     same = all(torch.equal(a, b) for a, b in zip(outs[("sequential", True)], outs[("fused", True)]))
     same2 = all(torch.equal(a, b) for a, b in zip(outs[("fused", False)], outs[("fused", True)]))

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from probe_common import time_ms as bench
+
 
 @triton.jit
 def gemm_kernel(a_ptr, idx_ptr, b_ptr, c_ptr, M, N: tl.constexpr, K: tl.constexpr, a_stride,
@@ -57,21 +59,6 @@ def gemm_kernel(a_ptr, idx_ptr, b_ptr, c_ptr, M, N: tl.constexpr, K: tl.constexp
             b_ptrs += BK * N
     c = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(c, acc.to(tl.bfloat16), mask=mask_m[:, None])
-
-
-def bench(fn, reps=10):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[reps // 2]
 
 
 def main():

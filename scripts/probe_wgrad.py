@@ -26,28 +26,7 @@ import triton
 from titan_uniep.kernels.route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
 from titan_uniep.kernels.wgrad import expert_weight_grad_kernel
 
-SHAPES = {  # T per rank, D, H, E, K  (EP = 2)
-    "qwen3": (8192, 2048, 768, 128, 8),
-    "deepseek": (4096, 7168, 2048, 256, 8),
-    "mixtral": (8192, 4096, 14336, 8, 2),
-}
-
-
-def bench(fn, reps=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
+from probe_common import SHAPES, time_ms as bench
 
 def setup(name, dev):
     t, d, h, e, k = SHAPES[name]

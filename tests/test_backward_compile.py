@@ -1,23 +1,19 @@
 """The backward megakernels compile for Hopper (sm_90) on a machine without a GPU.
 
-Same approach as test_kernels_compile.py (Triton's wheel ships ptxas): the
-whole pipeline runs here for the backward's default tiles
+Same approach as test_kernels_compile.py (``sm90_compile``: Triton's wheel
+ships ptxas): the whole pipeline runs here for the backward's default tiles
 (``fused_backward.backward_block_sizes`` of the default KernelConfig), and
 the checks are those a GPU-less machine can make: every GEMM loop (dH, dA,
 and the Triton weight-gradient kernel's dW1/dW3 and dW2) is software-pipelined
 (async copies or tensor-descriptor loads into shared memory) and uses wgmma,
-ptxas' register spills stay small, shared memory fits an H200 SM. Runs in a subprocess: TRITON_INTERPRET must be unset when a kernel is
-defined for it to be compilable.
+ptxas' register spills stay small, shared memory fits an H200 SM. Runs in a
+subprocess: TRITON_INTERPRET must be unset when a kernel is defined for it
+to be compilable.
 """
 
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
+
+from sm90_compile import run_compile_script
 
 # ptxas spill bytes allowed at the default tiles, per megakernel: the
 # two-pass dH tile (BA) spills ~0.5 KB at 128 columns and was measured faster
@@ -27,70 +23,23 @@ MAX_SPILL_BYTES = {"BA": 1024, "BB": 0, "WG": 0}
 MAX_SHARED_BYTES = 227 * 1024
 
 
-def loops(ttgir: str) -> list[str]:
-    """Bodies of the innermost ``scf.for`` loops of a TTGIR listing."""
-    lines = ttgir.split("\n")
-    bodies = []
-    for i, line in enumerate(lines):
-        if "scf.for" not in line:
-            continue
-        indent = len(line) - len(line.lstrip())
-        body = []
-        for other in lines[i + 1:]:
-            if other.strip().startswith("}") and len(other) - len(other.lstrip()) == indent:
-                break
-            body.append(other)
-        text = "\n".join(body)
-        if "scf.for" not in text:
-            bodies.append(text)
-    return bodies
-
-
-def ptxas_usage(ptx: str) -> tuple[int, int]:
-    """(registers, spill-store bytes) of the kernel, from the bundled ptxas."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", src + ".o"],
-                             capture_output=True, text=True, check=True).stderr
-    regs = [int(v) for v in re.findall(r"Used (\d+) registers", out)]
-    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", out)]
-    return max(regs), max(spills or [0])
-
-
 def compile_all() -> None:
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    import sm90_compile
+    from sm90_compile import loops, ptxas_usage
     from titan_uniep.fused_backward import backward_block_sizes
     from titan_uniep.kernels.backward import (dispatch_grad_hidden_kernel, grad_input_combine_kernel,
                                               swiglu_backward_kernel)
     from titan_uniep.kernels.tuning import KernelConfig
     from titan_uniep.kernels.wgrad import expert_weight_grad_kernel
 
-    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
     cfg = KernelConfig()
     blocks = backward_block_sizes(cfg)
 
     def build(fn, pointers, consts, num_warps=blocks["warps"], num_stages=blocks["stages"]):
-        # What the JIT would specialise: 16-byte aligned pointers, offsets and strides divisible by 16.
-        sig, attrs = {}, {}
-        for i, p in enumerate(fn.params):
-            if p.is_constexpr:
-                sig[p.name] = "constexpr"
-                continue
-            sig[p.name] = pointer[pointers[p.name]] if p.name in pointers else (
-                "i64" if p.name.endswith("stride") else "i32")
-            if p.name in pointers or p.name.startswith("off_") or p.name.endswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=num_warps, num_stages=num_stages))
-        return kernel
+        return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages)
 
     def check(kernel, what, gemm_loops, even, tma=False):
         ttgir = kernel.asm["ttgir"]
@@ -156,9 +105,7 @@ def compile_all() -> None:
 
 def test_backward_megakernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_compile_script(__file__)
     assert proc.returncode == 0 and "COMPILED OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-4000:]
 
 

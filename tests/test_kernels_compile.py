@@ -7,41 +7,23 @@ memory) and use wgmma. Runs in a subprocess: TRITON_INTERPRET must be unset
 when a kernel is defined for it to be compilable.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from sm90_compile import run_compile_script
 
 
 def compile_all() -> None:
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    import sm90_compile
 
     from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
     from titan_uniep.kernels.route import route_histogram_kernel, route_layout_kernel
     from titan_uniep.kernels.sync import exchange_counts_kernel
 
-    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
-
     def build(fn, pointers, consts, num_warps=8, num_stages=3):
-        # What the JIT would specialise: 16-byte aligned pointers, offsets and strides divisible by 16.
-        sig, attrs = {}, {}
-        for i, p in enumerate(fn.params):
-            if p.is_constexpr:
-                sig[p.name] = "constexpr"
-                continue
-            sig[p.name] = pointer[pointers[p.name]] if p.name in pointers else (
-                "i64" if p.name.endswith("stride") else "i32")
-            if p.name in pointers or p.name.startswith("off_") or p.name.endswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=num_warps, num_stages=num_stages))
-        return kernel.asm["ttgir"]
+        return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages).asm["ttgir"]
 
     bf, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32, i64_anchor=i64)
@@ -84,9 +66,7 @@ def compile_all() -> None:
 
 def test_megakernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_compile_script(__file__)
     assert proc.returncode == 0 and "COMPILED OK" in proc.stdout, proc.stderr[-4000:]
 
 

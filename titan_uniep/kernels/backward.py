@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
-from .route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
+from .route import used_slots
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
@@ -103,9 +103,6 @@ _BAD_SLOT = tl.constexpr(BAD_SLOT)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
-_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
-_ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
-_ROW_ROWS = tl.constexpr(ROW_ROWS)
 
 
 @triton.jit
@@ -482,8 +479,7 @@ def swiglu_backward_kernel(
     local rank ``pid2``; the same arithmetic as the tile epilogue."""
     local = tl.program_id(2)
     rank = rank_base + local
-    tables = tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + NUM_EXPERTS_LOCAL - 1
-    used = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS) + tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
+    used = used_slots(tables_ptr, local, rank, NUM_EXPERTS_LOCAL, NUM_EXPERTS)
     s0 = tl.program_id(0) * BS
     if s0 < used:
         NHB: tl.constexpr = (HIDDEN + BN - 1) // BN

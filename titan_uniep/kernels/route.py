@@ -59,6 +59,22 @@ def num_route_blocks(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 
 @triton.jit
+def local_expert_rows(tables_ptr, local, rank, expert, NUM_EXPERTS_LOCAL: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """First slot and row count of ``rank``'s local expert ``expert``, read from
+    local rank ``local``'s tables (``tables_ptr``: ``(L, ROUTE_TABLE_ROWS, E)``)."""
+    tables = tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + expert
+    return tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS), tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
+
+
+@triton.jit
+def used_slots(tables_ptr, local, rank, NUM_EXPERTS_LOCAL: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """Slots in use on ``rank``: its experts' rows are back to back in expert
+    order, so the last local expert's end."""
+    first, rows = local_expert_rows(tables_ptr, local, rank, NUM_EXPERTS_LOCAL - 1, NUM_EXPERTS_LOCAL, NUM_EXPERTS)
+    return first + rows
+
+
+@triton.jit
 def _num_tokens_of(num_tokens_ptr, local, host_num_tokens, TOKENS_FROM_HOST: tl.constexpr):
     if TOKENS_FROM_HOST:
         return host_num_tokens

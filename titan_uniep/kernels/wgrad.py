@@ -28,12 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
+from .route import local_expert_rows, used_slots
 from .sync import arena_ptr
-
-_ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
-_ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
-_ROW_ROWS = tl.constexpr(ROW_ROWS)
 
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base"])
@@ -62,8 +58,7 @@ def gather_slot_rows_kernel(
     rank's used rows (its last local expert's end) are left as they are."""
     local = tl.program_id(1)
     rank = rank_base + local
-    tables = tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + NUM_EXPERTS_LOCAL - 1
-    used = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS) + tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
+    used = used_slots(tables_ptr, local, rank, NUM_EXPERTS_LOCAL, NUM_EXPERTS)
     s0 = tl.program_id(0) * BS
     if s0 < used:
         offs_s = s0 + tl.arange(0, BS)
@@ -170,9 +165,7 @@ def expert_weight_grad_kernel(
     nb = (t % width) // group_size
 
     rank = rank_base + local
-    tables = tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS) + rank * NUM_EXPERTS_LOCAL + expert
-    lo = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS)
-    rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS)
+    lo, rows = local_expert_rows(tables_ptr, local, rank, expert, NUM_EXPERTS_LOCAL, NUM_EXPERTS)
 
     a1 = a1_ptr + local.to(tl.int64) * a_local_stride
     a2 = a2_ptr + local.to(tl.int64) * a_local_stride
