@@ -79,3 +79,17 @@ def run_compile_script(script: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(script).resolve().parents[1]), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+
+
+SM_SHARED_BYTES = 228 * 1024  # shared memory of an H100/H200 SM
+SM_REGISTERS = 64 * 1024
+SHARED_RESERVED_PER_BLOCK = 1024  # the driver's reservation per resident block
+
+
+def programs_per_sm(kernel, num_warps: int) -> int:
+    """How many programs of ``kernel`` an sm_90 SM holds at once (shared
+    memory and registers; registers per warp are allocated in units of 256)."""
+    regs, _ = ptxas_usage(kernel.asm["ptx"])
+    per_warp = -(-regs * 32 // 256) * 256
+    by_shared = SM_SHARED_BYTES // (kernel.metadata.shared + SHARED_RESERVED_PER_BLOCK)
+    return min(by_shared, SM_REGISTERS // (per_warp * num_warps))

@@ -142,6 +142,26 @@ def test_backward_other_dh_tile_shape(score_before, monkeypatch):
     assert_correct(w, seq, fus, score_before=score_before)
 
 
+def test_backward_deferred_da_release_changes_no_bits(monkeypatch):
+    """``da_defer_release`` (a dA tile's row arrivals released after the
+    program's next tile) moves when the reduce may start, never a value: both
+    schedules equal the immediate release bit for bit (skewed routing, odd T)."""
+    from titan_uniep import fused_backward
+
+    w = make_world(2, 8, 3, [13, 10], seed=73, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
+    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                                     dtype=torch.float32, config=interpreter_config())
+    outs = {}
+    for defer in (False, True):
+        monkeypatch.setitem(fused_backward.BACKWARD_TILES, "da_defer_release", defer)
+        outs[defer] = run_both(w, score_before=False, workspace=ws)
+    assert_correct(w, *outs[True], score_before=False)
+    for r in range(2):
+        for schedule in (0, 1):
+            for name, a, b in zip(NAMES, outs[False][schedule][r], outs[True][schedule][r]):
+                assert torch.equal(a, b), f"rank {r} {name}: the deferred release changed a value"
+
+
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 def test_backward_with_h1_h3_saved_by_the_forward(score_before):
     """The forward writes each slot's h1 | h3 (saved_h13); the backward reads

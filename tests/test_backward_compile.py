@@ -28,7 +28,7 @@ def compile_all() -> None:
     import triton
 
     import sm90_compile
-    from sm90_compile import loops, ptxas_usage
+    from sm90_compile import loops, programs_per_sm, ptxas_usage
     from titan_uniep.fused_backward import backward_block_sizes
     from titan_uniep.kernels.backward import (dispatch_grad_hidden_kernel, grad_input_combine_kernel,
                                               swiglu_backward_kernel)
@@ -67,7 +67,8 @@ def compile_all() -> None:
     sw = dict(g32_ptr=f32, h13_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, tables_ptr=i32,
               arena_ptrs=i64, f32_anchor=f32)
     for score_before in (False, True):
-        shapes = ((2048, 768, True), (96, 80, False)) + (((7168, 2048, True),) if not score_before else ())
+        shapes = ((2048, 768, True), (96, 80, False)) + (((7168, 2048, True), (4096, 14336, True))
+                                                               if not score_before else ())
         for dim, hidden, even in shapes:
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
                          USE_TIMER=True, GROUP_M=cfg.group_m, BM=cfg.block_m, BK=blocks["bk"], KP=8)
@@ -79,10 +80,16 @@ def compile_all() -> None:
                 loops_ba = 1 if saved else 1 + blocks["dh_two_pass"]
                 check(kernel, f"BA (dispatch + dH{', saved h1|h3' if saved else ''}) {what}", loops_ba, even)
             nhb = -(-hidden // blocks["dh"])
-            kernel = build(grad_input_combine_kernel, bb, dict(
-                NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=blocks["da"], BT=16, BD=256,
-                RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, **shape))
-            check(kernel, f"BB (dA + reduce) {what}", 1, even)
+            da = backward_block_sizes(cfg, hidden)  # the dA keys as launched for this H
+            for defer in (False, True):
+                kernel = build(grad_input_combine_kernel, bb, dict(
+                    NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=da["da"], BT=16, BD=256,
+                    RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, DEFER_RELEASE=defer, **{**shape, "BK": da["da_bk"]}),
+                    num_warps=da["da_warps"], num_stages=da["da_stages"])
+                check(kernel, f"BB (dA + reduce{', deferred release' if defer else ''}) {what}", 1, even)
+                fit = programs_per_sm(kernel, da["da_warps"])
+                assert fit >= da["da_programs_per_sm"], f"BB {what}: {fit} programs fit an SM, launched with " \
+                    f"{da['da_programs_per_sm']}"
             # The SwiGLU backward pass after dH tiles with saved h1 | h3 (no GEMM: no spills).
             kernel = build(swiglu_backward_kernel, sw, dict(HIDDEN=hidden, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128,
                                                             SCORE_BEFORE=score_before, BS=32, BN=blocks["dh"]),

@@ -336,12 +336,13 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
 
 
 def test_default_config_per_shape_choice():
-    """EP-size default, plus every program dispatching first for small expert
-    hidden dims (a runtime knob: same compiled kernels, same bits)."""
+    """EP-size default, plus, for small expert hidden dims, every program
+    dispatching first and megakernel B as two programs per SM."""
     from titan_uniep.kernels import default_config
     from titan_uniep.kernels.tuning import DISPATCH_FIRST_COMM_SMS
 
     base = default_config(2)
-    assert base.combine == "direct" and base.num_comm_sms == 16
+    assert base.combine == "direct" and base.num_comm_sms == 16 and base.fc2_programs_per_sm == 1
     assert default_config(2, hidden=2048) == base and default_config(2, hidden=14336) == base
-    assert default_config(2, hidden=768) == base.replace(num_comm_sms=DISPATCH_FIRST_COMM_SMS)
+    assert default_config(2, hidden=768) == base.replace(
+        num_comm_sms=DISPATCH_FIRST_COMM_SMS, block_n_fc2=128, fc2_num_warps=4, fc2_programs_per_sm=2)

@@ -21,6 +21,7 @@ def compile_all() -> None:
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
     from titan_uniep.kernels.route import route_histogram_kernel, route_layout_kernel
     from titan_uniep.kernels.sync import exchange_counts_kernel
+    from titan_uniep.kernels.tuning import default_config
 
     def build(fn, pointers, consts, num_warps=8, num_stages=3):
         return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages).asm["ttgir"]
@@ -49,6 +50,17 @@ def compile_all() -> None:
                 assert "warp_group_dot" in ttgir, "fc2 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc2 K-loop is not pipelined"
+    # The per-shape B of short expert GEMMs (kernels.tuning.SHORT_FC2) must fit
+    # as many programs per SM as it is launched with.
+    cfg = default_config(2, hidden=768)
+    shape = dict(DIM=2048, HIDDEN=768, TOP_K=8, SCORE_BEFORE=False, EVEN_K=True, EVEN_N=True, PRECISION="tf32",
+                 USE_TIMER=True, GROUP_M=cfg.group_m, BK=cfg.block_k, BT=cfg.reduce_block_tokens, BM=cfg.block_m)
+    kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
+        NUM_LOCAL=1, BN=cfg.block_n_fc2, BD=cfg.reduce_block_dim, STAGED=False, DEFER_RELEASE=cfg.defer_release,
+        PRESUM=False, WORLD=2, KP=8, **shape), num_warps=cfg.fc2_num_warps, num_stages=cfg.num_stages)
+    fit = sm90_compile.programs_per_sm(kernel, cfg.fc2_num_warps)
+    assert fit >= cfg.fc2_programs_per_sm, f"B (H=768): {fit} programs fit an SM, launched with " \
+        f"{cfg.fc2_programs_per_sm}"
     route = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32, tile_expert_ptr=i32,
                  tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32)
     for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):

@@ -123,22 +123,36 @@ def gemm_only_fwd_bwd(tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, d
     return step
 
 
+def layer_inputs(shape, rank: int, world: int, dev, dtype=torch.bfloat16) -> dict:
+    """This rank's bf16 inputs of the benchmark's layer: x, the output gradient
+    ``grad``, router-like ``scores``/``indices`` (top-k of a softmax), the
+    whole ``w1``, ``w2``, ``w3`` (same on every rank) and its local
+    ``w1l``, ``w2l``, ``w3l``."""
+    num_tokens, dim, hidden, num_experts, top_k = shape
+    el = num_experts // world
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    wgen = torch.Generator(device=dev).manual_seed(99)
+    out = dict(x=torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype),
+               grad=torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype))
+    probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=gen, device=dev), 1)
+    out["scores"], out["indices"] = (t.contiguous() for t in probs.topk(top_k, dim=1))
+    out["w1"] = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
+    out["w3"] = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
+    out["w2"] = (torch.randn(num_experts, dim, hidden, generator=wgen, device=dev) * hidden**-0.5).to(dtype)
+    mine = slice(rank * el, (rank + 1) * el)
+    for w in ("w1", "w2", "w3"):
+        out[w + "l"] = out[w][mine].contiguous()
+    return out
+
+
 def bench_shape(name, shape, args, group, mesh, dev):
     num_tokens, dim, hidden, num_experts, top_k = shape
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    el = num_experts // world
     dtype = torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    wgen = torch.Generator(device=dev).manual_seed(99)
-    x = torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype)
-    grad = torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype)
-    probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=gen, device=dev), 1)
-    scores, indices = (t.contiguous() for t in probs.topk(top_k, dim=1))
-    w1 = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
-    w3 = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
-    w2 = (torch.randn(num_experts, dim, hidden, generator=wgen, device=dev) * hidden**-0.5).to(dtype)
-    mine = slice(rank * el, (rank + 1) * el)
-    w1l, w2l, w3l = w1[mine].contiguous(), w2[mine].contiguous(), w3[mine].contiguous()
+    inputs = layer_inputs(shape, rank, world, dev, dtype)
+    x, grad, scores, indices = (inputs[n] for n in ("x", "grad", "scores", "indices"))
+    w1, w2, w3, w1l, w2l, w3l = (inputs[n] for n in ("w1", "w2", "w3", "w1l", "w2l", "w3l"))
+    gen = torch.Generator(device=dev).manual_seed(4321 + rank)  # the GEMM-only path's own inputs
     score_before = args.score_before
     result = {"shape": name, "T": num_tokens, "D": dim, "H": hidden, "E": num_experts, "K": top_k, "world": world,
               "score_before": score_before}

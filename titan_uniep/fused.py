@@ -99,7 +99,8 @@ def moe_forward(
     layers, also with ``T = 0``. Shapes: see the module docstring. ``out``:
     optional preallocated ``(T, D)`` output. ``config``: default the
     workspace's; when that is the EP-size default, the per-shape choice of
-    ``kernels.tuning.default_config(ep, hidden=H)`` (same bits, other timing). ``error_check``: ``"sync"``
+    ``kernels.tuning.default_config(ep, hidden=H)`` (other timing; fused ==
+    sequential bitwise either way). ``error_check``: ``"sync"``
     (check the error record after the launches; a host sync) or ``"lazy"``
     (poll without syncing, see ``Workspace.poll_errors``); default lazy for
     ``"fused"``, sync for ``"sequential"``. ``saved_h13``: optional
@@ -111,7 +112,7 @@ def moe_forward(
     if workspace.is_simulated:
         raise ValueError("moe_forward needs a Workspace.for_group workspace; use simulated_moe_forward otherwise")
     if config is None and workspace.config == default_config(workspace.world_size):
-        # The per-shape choice of kernels.tuning (a runtime knob: no recompile, same bits).
+        # The per-shape choice of kernels.tuning (dispatch-first and B's tiles for short expert GEMMs).
         config = default_config(workspace.world_size, hidden=workspace.shape.hidden)
     cfg = _config(workspace, config)
     _check_schedule(schedule)
@@ -419,8 +420,14 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
         )
     y = ws.y if (staged or presum) else ws.h  # never read unless staged / presum
 
+    grid_b = (grid[0] * (cfg.fc2_programs_per_sm if ws.device.type == "cuda" else 1),)
+    b_opts = dict(num_warps=cfg.fc2_num_warps or cfg.num_warps,
+                  num_stages=cfg.num_stages if cfg.fc2_num_stages is None else cfg.fc2_num_stages)
+    if cfg.fc2_max_registers is not None:
+        b_opts["maxnreg"] = cfg.fc2_max_registers
+
     def megakernel_b(do_fc2: int, do_send: int, do_reduce: int, send_programs: int) -> None:
-        fc2_combine_kernel[grid](
+        fc2_combine_kernel[grid_b](
             ws.h, ws.h.stride(0), call.w2, call.w2.stride(0), call.tile_expert, call.tile_start, call.tile_end,
             call.tile_expert.stride(0), call.num_tiles, call.scores, call.scores.stride(0), call.num_tokens,
             call.out, call.out.stride(0), ws.control, ws.arena_ptrs, act, i32, ws.anchor_rank,
@@ -432,7 +439,7 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
             BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
             EVEN_K=s.hidden % cfg.block_k == 0, EVEN_N=s.dim % cfg.block_n_fc2 == 0, PRECISION=precision,
             USE_TIMER=use_timer, STAGED=staged, DEFER_RELEASE=cfg.defer_release and cfg.combine == "direct",
-            PRESUM=presum, WORLD=s.world_size, KP=triton.next_power_of_2(s.top_k), **launch_opts,
+            PRESUM=presum, WORLD=s.world_size, KP=triton.next_power_of_2(s.top_k), **b_opts,
         )
 
     for phase in phases:

@@ -352,6 +352,19 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 # - ``stages``: software-pipelining depth of the dH and dA loops; ``warps``;
 # - ``dh_programs_per_sm``: programs of megakernel BA per SM when h1 | h3 are
 #   saved (its dH tile is then a plain GEMM tile, 128 registers: two fit);
+# - ``da_bk``, ``da_stages``, ``da_warps``: the dA loop's K step, pipelining
+#   depth and warps (megakernel BB); ``da_programs_per_sm``: programs of BB
+#   per SM (two need ``da_bk = 32`` or 2 stages to fit the shared memory);
+#   ``da_defer_release``: release a dA tile's row arrivals after the
+#   program's next tile (as the forward's ``KernelConfig.defer_release``);
+#   ``da_max_registers``: BB's register cap per thread (``maxnreg``) or None;
+#   ``da_short``: ``(max H, changes)``: for expert hidden dims up to max H the
+#   dA keys take ``changes``: two 4-warp programs per SM with a 32-deep K
+#   step, so that one's epilogue (remote row stores, then a system-scope
+#   release that waits for them) overlaps the other's K-loop, which is short
+#   there (K = 2H). Measured on 2 x H200 (docs/performance.md, backward
+#   run 12): BB 1.242 -> 0.996 ms on qwen3-like (H = 768), 5.10 -> 4.53 on
+#   deepseek-like (2048); 7.04 -> 7.38 on mixtral-like (14336);
 # - ``wgrad``: who computes the weight gradients from the dense slot rows:
 #   ``"grouped_mm"`` (``torch._grouped_mm``, bf16 on sm_90+), ``"triton"``
 #   (``kernels.wgrad.expert_weight_grad_kernel``) or ``"auto"`` (the first
@@ -363,19 +376,29 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 # kernel by the one-GPU probe of "Backward, run 9" (scripts/probe_wgrad.py:
 # dense TMA operands 1.6-1.9x the gathered ones on mixtral/qwen3-like shapes;
 # torch._grouped_mm faster still on all three shapes, hence "auto").
-BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, stages=3, warps=8, dh_programs_per_sm=2, wgrad="auto",
-                      wgrad_w13=(128, 128, 64, 8, 4), wgrad_w2=(128, 256, 64, 8, 3))
+BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, stages=3, warps=8, dh_programs_per_sm=2,
+                      da_bk=64, da_stages=3, da_warps=8, da_programs_per_sm=1, da_defer_release=False,
+                      da_max_registers=None, da_short=(2048, dict(da_bk=32, da_warps=4, da_programs_per_sm=2)),
+                      wgrad="auto", wgrad_w13=(128, 128, 64, 8, 4), wgrad_w2=(128, 256, 64, 8, 3))
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
 
 
-def backward_block_sizes(cfg: KernelConfig) -> dict:
-    """``BACKWARD_TILES`` for GPU-sized layout tiles (``block_m >= 64``); for
-    the interpreter's small configs, tiles derived from its knobs."""
+def backward_block_sizes(cfg: KernelConfig, hidden: int | None = None) -> dict:
+    """``BACKWARD_TILES`` for GPU-sized layout tiles (``block_m >= 64``), with
+    its ``da_short`` changes where the expert hidden dim ``hidden`` is at most
+    their bound; for the interpreter's small configs, tiles derived from its
+    knobs."""
     if cfg.block_m >= 64:
-        return dict(BACKWARD_TILES)
+        blocks = dict(BACKWARD_TILES)
+        max_hidden, changes = blocks["da_short"]
+        if hidden is not None and hidden <= max_hidden:
+            blocks.update(changes)
+        return blocks
     small = (cfg.block_n_fc1, cfg.block_n_fc1, cfg.block_k, cfg.num_warps, max(1, cfg.num_stages))
     return dict(dh=cfg.block_n_fc1, dh_two_pass=BACKWARD_TILES["dh_two_pass"], da=cfg.block_n_fc2, bk=cfg.block_k,
-                stages=max(1, cfg.num_stages), warps=cfg.num_warps, dh_programs_per_sm=1,
+                stages=max(1, cfg.num_stages), warps=cfg.num_warps, dh_programs_per_sm=1, da_bk=cfg.block_k,
+                da_stages=max(1, cfg.num_stages), da_warps=cfg.num_warps, da_programs_per_sm=1,
+                da_defer_release=BACKWARD_TILES["da_defer_release"], da_max_registers=None, da_short=(0, {}),
                 wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small, wgrad_w2=small)
 
 
@@ -415,22 +438,30 @@ def _ensure_tma_allocator() -> None:
         triton.set_allocator(_tma_allocator)
 
 
+def _gather_slot_rows(bws: "BackwardWorkspace", a: dict, score_before: bool) -> None:
+    """Each used slot's x (times the score, scores before the experts) and
+    dOut rows, dense in slot order (``bws.slot_rows``)."""
+    ws = bws.inner
+    s, off = ws.shape, ws.element_offsets
+    act, i32, f32 = ws.anchors[s.dtype], ws.anchors[torch.int32], ws.anchors[torch.float32]
+    block_s = 16
+    gather_slot_rows_kernel[(triton.cdiv(s.slot_capacity, block_s), ws.num_local_ranks)](
+        bws.slot_rows, a["route_tables"], ws.arena_ptrs, act, i32, f32, ws.anchor_rank, off["tokens"],
+        off["slot_copy"], off["slot_score"], ws.rank_base, s.slot_capacity, DIM=bws.dim, TOP_K=s.top_k,
+        NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts, SCORE_BEFORE=score_before, BS=block_s,
+        BD=min(512, triton.next_power_of_2(bws.dim)), num_warps=4,
+    )
+
+
 def _weight_grads(bws: "BackwardWorkspace", a: dict, blocks: dict, score_before: bool, interpret: bool,
                   poison: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dW1, dW2, dW3 ``(L, El, ...)`` of every local rank: the dense slot rows,
     then the per-expert GEMMs (``kernels.wgrad``)."""
     ws = bws.inner
-    s, off = ws.shape, ws.element_offsets
+    s = ws.shape
     dim, hidden, num_local, el = bws.dim, s.hidden, ws.num_local_ranks, s.num_local_experts
-    act, i32, f32 = ws.anchors[s.dtype], ws.anchors[torch.int32], ws.anchors[torch.float32]
     rows = bws.slot_rows
-    block_s = 16
-    gather_slot_rows_kernel[(triton.cdiv(s.slot_capacity, block_s), num_local)](
-        rows, a["route_tables"], ws.arena_ptrs, act, i32, f32, ws.anchor_rank, off["tokens"], off["slot_copy"],
-        off["slot_score"], ws.rank_base, s.slot_capacity, DIM=dim, TOP_K=s.top_k, NUM_EXPERTS_LOCAL=el,
-        NUM_EXPERTS=s.num_experts, SCORE_BEFORE=score_before, BS=block_s,
-        BD=min(512, triton.next_power_of_2(dim)), num_warps=4,
-    )
+    _gather_slot_rows(bws, a, score_before)
     xs, dys = rows[:, 0], rows[:, 1]
     h, dh1, dh3 = ws.h, bws.dh1, bws.dh3
     if wgrad_backend(blocks["wgrad"], s.dtype, ws.device, el) == "grouped_mm":
@@ -484,7 +515,7 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     grid = (_num_programs(ws, cfg),)
     precision = "ieee" if s.dtype == torch.float32 else "tf32"
     use_timer, timeout = _use_timer(ws), _timeout(ws, cfg)
-    blocks = backward_block_sizes(cfg)
+    blocks = backward_block_sizes(cfg, hidden)
     elem = s.elem_size
     col_blocks_dh = triton.cdiv(hidden, blocks["dh"])
     ds_parts = bws.ds_parts_for(col_blocks_dh)
@@ -522,8 +553,13 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             TWO_PASS=bool(blocks["dh_two_pass"]), SAVED_H13=h13 is not None, PRECISION=precision, USE_TIMER=use_timer, **opts,
         )
 
+    grid_bb = (grid[0] * (blocks["da_programs_per_sm"] if ws.device.type == "cuda" else 1),)
+    bb_opts = dict(num_warps=blocks["da_warps"], num_stages=blocks["da_stages"])
+    if blocks["da_max_registers"] is not None:
+        bb_opts["maxnreg"] = blocks["da_max_registers"]
+
     def kernel_bb(do_tiles: int, do_reduce: int) -> None:
-        grad_input_combine_kernel[grid](
+        grad_input_combine_kernel[grid_bb](
             bws.dh1, bws.dh3, h.stride(0), a["w1"], a["w3"], a["w1"].stride(0),
             a["tile_expert"], a["tile_start"], a["tile_end"], a["tile_expert"].stride(0), a["num_tiles"],
             ds_parts, ds_parts.stride(0), a["scores"], a["dest_rank"].stride(0),
@@ -532,10 +568,11 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             ws.offsets["returned"] // 4, off["token_arrivals"], ws.rank_base, s.token_capacity, s.slot_capacity,
             do_tiles, do_reduce, timeout,
             NUM_LOCAL=ws.num_local_ranks, DIM=dim, HIDDEN=hidden, TOP_K=top_k, SCORE_BEFORE=score_before,
-            BM=cfg.block_m, BN=blocks["da"], BK=blocks["bk"], NHB=col_blocks_dh,
+            BM=cfg.block_m, BN=blocks["da"], BK=blocks["da_bk"], NHB=col_blocks_dh,
             NHBP=triton.next_power_of_2(col_blocks_dh), GROUP_M=cfg.group_m, BT=cfg.reduce_block_tokens,
             BD=cfg.reduce_block_dim, KP=triton.next_power_of_2(top_k), RET_ROW_F32=2 * dim * elem // 4,
-            PARTS_AT_F32=dim * elem // 4, PRECISION=precision, USE_TIMER=use_timer, **opts,
+            PARTS_AT_F32=dim * elem // 4, PRECISION=precision, USE_TIMER=use_timer,
+            DEFER_RELEASE=bool(blocks["da_defer_release"]), **bb_opts,
         )
 
     for phase in phases:

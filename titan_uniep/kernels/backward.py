@@ -71,6 +71,7 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
+from .fc2_combine import release_token_arrivals
 from .route import used_slots
 from .sync import (
     BAD_SLOT,
@@ -506,16 +507,17 @@ def swiglu_backward_kernel(
 @triton.jit
 def grad_input_tile(
     dh1, dh3, w1, w3, ds_parts, slot_copy, m0, m1, n0,
-    arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32,
-    off_token_arrivals, token_capacity,
+    arena_ptrs, act_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32, token_capacity,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
     RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
-    ``dA = dh1 @ w1 + dh3 @ w3``), sent to each row's source with one release
-    arrival; scores after the experts, the column-block-0 tile also sends each
-    row's router-score gradient (its ``NHB`` partials summed in fp32)."""
+    ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
+    the experts, the column-block-0 tile also sends each row's router-score
+    gradient (its ``NHB`` partials summed in fp32). Returns (source rank,
+    token, mask) of the rows, whose arrivals the caller releases
+    (``fc2_combine.release_token_arrivals``)."""
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
     offs_m = m0 + tl.arange(0, BM)
@@ -562,9 +564,9 @@ def grad_input_tile(
             total = tl.sum(parts, axis=1)
             ds = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, source, off_returned_f32)
             tl.store(ds + row * RET_ROW_F32 + PARTS_AT_F32, total, mask=mask_m)
+    # Every thread's row stores before any arrival is released (by the caller).
     tl.debug_barrier()
-    arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
-    tl.atomic_add(arrivals + row // TOP_K, 1, mask=mask_m, sem="release", scope="sys")
+    return source, row // TOP_K, mask_m
 
 
 @triton.jit
@@ -679,8 +681,14 @@ def grad_input_combine_kernel(
     PARTS_AT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    DEFER_RELEASE: tl.constexpr = False,
 ):
     col_blocks = tl.cdiv(DIM, BN)
+    # DEFER_RELEASE: a tile's arrivals are released after the program's next
+    # tile (as megakernel B's ``defer_release``); the last ones after the loop.
+    pending_source = tl.zeros([BM], dtype=tl.int32)
+    pending_token = tl.zeros([BM], dtype=tl.int64)
+    pending = tl.zeros([BM], dtype=tl.int1)
     if do_tiles != 0:
         max_tiles = 0
         for local in range(NUM_LOCAL):
@@ -701,16 +709,29 @@ def grad_input_combine_kernel(
                 if m1 <= slot_capacity:
                     weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                     hidden_at = local.to(tl.int64) * h_rank_stride
-                    grad_input_tile(
+                    source, token, rows = grad_input_tile(
                         dh1_ptr + hidden_at, dh3_ptr + hidden_at, w1_ptr + weights, w3_ptr + weights,
                         ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
                         arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
-                        m0, m1, col_block * BN, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-                        off_returned, off_returned_f32, off_token_arrivals, token_capacity,
+                        m0, m1, col_block * BN, arena_ptrs, act_anchor, f32_anchor, anchor_rank,
+                        off_returned, off_returned_f32, token_capacity,
                         DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
                         RET_ROW_F32, PARTS_AT_F32, PRECISION,
                     )
+                    if DEFER_RELEASE:
+                        # The previous tile's stores have had this tile's K-loop to land.
+                        release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor,
+                                               anchor_rank, off_token_arrivals)
+                        pending_source = source
+                        pending_token = token
+                        pending = rows
+                    else:
+                        release_token_arrivals(source, token, rows, arena_ptrs, i32_anchor, anchor_rank,
+                                               off_token_arrivals)
             task = next_task(control_ptr, _CTL_BWD_DA)
+        if DEFER_RELEASE:
+            release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,
+                                   off_token_arrivals)
 
     if do_reduce != 0:
         max_tokens = 0

@@ -53,6 +53,25 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
 
+    fc2_programs_per_sm: int = 1
+    """Programs of megakernel B per SM. With 2, one program's fc2 epilogue
+    (remote row stores, then a system-scope release that waits for them) can
+    overlap the other's K-loop; it needs a tile that lets two fit an SM
+    (``block_n_fc2 = 128``: 96 KB of shared memory at 3 stages; the compile
+    test checks that the shipped choice fits). B's waits are on fc2 tasks,
+    which running programs claim in order before any of them takes a reduce
+    task, so programs that are not resident yet cannot hold up a wait."""
+
+    fc2_num_warps: int | None = None
+    """Warps of megakernel B; ``None``: ``num_warps``."""
+
+    fc2_num_stages: int | None = None
+    """Software-pipelining depth of megakernel B's fc2 loop; ``None``: ``num_stages``."""
+
+    fc2_max_registers: int | None = None
+    """Register cap per thread of megakernel B (Triton's ``maxnreg``), e.g. 128
+    so that two 8-warp programs fit an SM; ``None``: the compiler's choice."""
+
     combine: str = "direct"
     """How fc2 rows go back to their source ranks. ``"direct"``: the fc2 tile
     stores them into the sources' buffers itself. ``"staged"``: the tile is
@@ -132,6 +151,8 @@ class KernelConfig:
                 f"KernelConfig.reduce_block_tokens ({self.reduce_block_tokens}) must be <= block_m ({self.block_m}) "
                 "with combine='presum' (its tasks split a tile's rows into blocks of that many)"
             )
+        if self.fc2_programs_per_sm < 1:
+            raise ValueError(f"KernelConfig.fc2_programs_per_sm must be >= 1, got {self.fc2_programs_per_sm}")
         if self.num_combine_sms < 1:
             raise ValueError(f"KernelConfig.num_combine_sms must be >= 1, got {self.num_combine_sms}")
         if self.num_comm_sms < 1:
@@ -151,12 +172,20 @@ DEFAULT_CONFIGS: dict[int, KernelConfig] = {
 
 # Shapes whose expert GEMMs are small per dispatched byte (expert hidden dim up
 # to this) run best with every program dispatching first (num_comm_sms >= the
-# grid). Measured on 2 x H200, direct combine (docs/performance.md, runs 4
-# and 5): qwen3-like (H = 768) 1.622 vs 1.738 and 1.649 vs 1.746 ms;
+# grid; a runtime knob, no bits change). Measured on 2 x H200, direct combine
+# (docs/performance.md, runs 4 and 5): qwen3-like (H = 768) 1.622 vs 1.738 and 1.649 vs 1.746 ms;
 # deepseek-like (H = 2048) 4% and mixtral-like (H = 14336) 3-16% slower, so
 # they keep the EP-size default.
 DISPATCH_FIRST_MAX_HIDDEN = 1024
 DISPATCH_FIRST_COMM_SMS = 1024  # >= any grid: every program dispatches first
+# The same shapes run megakernel B as two 4-warp programs per SM with 128-column
+# fc2 tiles: fc2's K (= H) is short, so a tile's epilogue (remote row stores
+# and the system-scope release that waits for them) is a large part of it,
+# and the second program's K-loop hides it. Measured on 2 x H200
+# (docs/performance.md, forward run 7): qwen3-like B 0.695 -> 0.631 ms, the
+# layer 1.660 -> 1.601 ms; deepseek- and mixtral-like B slower in the same
+# probe (2.39 -> 2.51, 2.73 -> 3.25 ms, measured second on a hotter GPU).
+SHORT_FC2 = dict(block_n_fc2=128, fc2_num_warps=4, fc2_programs_per_sm=2)
 
 
 def default_config(ep_size: int, *, hidden: int | None = None) -> KernelConfig:
@@ -167,7 +196,7 @@ def default_config(ep_size: int, *, hidden: int | None = None) -> KernelConfig:
     known = [w for w in sorted(DEFAULT_CONFIGS) if w <= ep_size]
     config = DEFAULT_CONFIGS[known[-1] if known else min(DEFAULT_CONFIGS)]
     if hidden is not None and hidden <= DISPATCH_FIRST_MAX_HIDDEN:
-        config = config.replace(num_comm_sms=max(config.num_comm_sms, DISPATCH_FIRST_COMM_SMS))
+        config = config.replace(num_comm_sms=max(config.num_comm_sms, DISPATCH_FIRST_COMM_SMS), **SHORT_FC2)
     return config
 
 
