@@ -81,12 +81,14 @@ def compile_all() -> None:
                 check(kernel, f"BA (dispatch + dH{', saved h1|h3' if saved else ''}) {what}", loops_ba, even)
             nhb = -(-hidden // blocks["dh"])
             da = backward_block_sizes(cfg, hidden)  # the dA keys as launched for this H
+            tma = bool(da["da_tma"]) and hidden % da["da_bk"] == 0  # as fused_backward launches it (bf16)
             for defer in (False, True):
                 kernel = build(grad_input_combine_kernel, bb, dict(
                     NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=da["da"], BT=16, BD=256,
-                    RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, DEFER_RELEASE=defer, **{**shape, "BK": da["da_bk"]}),
-                    num_warps=da["da_warps"], num_stages=da["da_stages"])
-                check(kernel, f"BB (dA + reduce{', deferred release' if defer else ''}) {what}", 1, even)
+                    RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, DEFER_RELEASE=defer, TMA=tma,
+                    **{**shape, "BK": da["da_bk"]}), num_warps=da["da_warps"], num_stages=da["da_stages"])
+                check(kernel, f"BB (dA + reduce{', deferred release' if defer else ''}{', TMA' if tma else ''}) "
+                      f"{what}", 1, even, tma=tma)
                 fit = programs_per_sm(kernel, da["da_warps"])
                 assert fit >= da["da_programs_per_sm"], f"BB {what}: {fit} programs fit an SM, launched with " \
                     f"{da['da_programs_per_sm']}"

@@ -61,6 +61,12 @@ def compile_all() -> None:
     fit = sm90_compile.programs_per_sm(kernel, cfg.fc2_num_warps)
     assert fit >= cfg.fc2_programs_per_sm, f"B (H=768): {fit} programs fit an SM, launched with " \
         f"{cfg.fc2_programs_per_sm}"
+    # KernelConfig.fc2_tma: fc2's operands through tensor descriptors, pipelined into wgmma.
+    ttgir = build(fc2_combine_kernel, b_ptrs, dict(
+        NUM_LOCAL=2, BN=cfg.block_n_fc2, BD=cfg.reduce_block_dim, STAGED=False, DEFER_RELEASE=False, PRESUM=False,
+        WORLD=2, KP=8, TMA=True, **shape), num_warps=cfg.fc2_num_warps)
+    assert any("warp_group_dot " in b and "async_tma_copy_global_to_local" in b for b in sm90_compile.loops(ttgir)), \
+        "fc2 with tensor descriptors: the K-loop is not a pipelined TMA + wgmma loop"
     route = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32, tile_expert_ptr=i32,
                  tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32)
     for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):

@@ -341,6 +341,34 @@ def _check_inputs(ws: Workspace, x, scores, indices, w1, w2, w3) -> None:
             raise ValueError(f"{name} must be {want} {s.dtype}, got {tuple(w.shape)} {w.dtype}")
 
 
+def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Tensor descriptors made on the device need Triton's scratch allocator:
+    set ours unless one is set already (in this thread's context)."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # another Triton layout: set ours
+        triton.set_allocator(_tma_allocator)
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_tma_allocator)
+
+
+def tma_rows(ws: Workspace, *tensors: torch.Tensor) -> list[int] | None:
+    """Row counts of ``tensors`` viewed as 2-D ``(rows, last dim)`` matrices for
+    device-made tensor descriptors, or None where descriptors cannot serve:
+    not on a GPU, not 16-bit data, a row not a multiple of 16 bytes, or a
+    tensor that is not contiguous."""
+    if ws.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    if any(t.element_size() != 2 or t.shape[-1] % 8 or not t.is_contiguous() for t in tensors):
+        return None
+    return [t.numel() // t.shape[-1] for t in tensors]
+
+
 def _use_timer(ws: Workspace) -> bool:
     return ws.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -421,6 +449,9 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
     y = ws.y if (staged or presum) else ws.h  # never read unless staged / presum
 
     grid_b = (grid[0] * (cfg.fc2_programs_per_sm if ws.device.type == "cuda" else 1),)
+    b_rows = tma_rows(ws, ws.h, call.w2) if cfg.fc2_tma else None
+    if b_rows is not None:
+        ensure_tma_allocator()
     b_opts = dict(num_warps=cfg.fc2_num_warps or cfg.num_warps,
                   num_stages=cfg.num_stages if cfg.fc2_num_stages is None else cfg.fc2_num_stages)
     if cfg.fc2_max_registers is not None:
@@ -434,12 +465,14 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
             off["slot_copy"], off["returned"], off["token_arrivals"], off["tile_done"], y, y.stride(0),
             call.dest_rank, f32, off["slot_score"], off["token_slots"], off["token_tiles"], off["partials"],
             ws.rank_base, s.token_capacity, s.slot_capacity, do_fc2, do_send, do_reduce, send_programs, timeout,
+            *(b_rows or (0, 0)),
             NUM_LOCAL=ws.num_local_ranks, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=cfg.block_n_fc2, BK=cfg.block_k, GROUP_M=cfg.group_m,
             BT=cfg.reduce_block_tokens, BD=cfg.reduce_block_dim,
             EVEN_K=s.hidden % cfg.block_k == 0, EVEN_N=s.dim % cfg.block_n_fc2 == 0, PRECISION=precision,
             USE_TIMER=use_timer, STAGED=staged, DEFER_RELEASE=cfg.defer_release and cfg.combine == "direct",
-            PRESUM=presum, WORLD=s.world_size, KP=triton.next_power_of_2(s.top_k), **b_opts,
+            PRESUM=presum, WORLD=s.world_size, KP=triton.next_power_of_2(s.top_k), TMA=b_rows is not None,
+            **b_opts,
         )
 
     for phase in phases:

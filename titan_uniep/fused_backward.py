@@ -72,6 +72,8 @@ from .fused import (
     _route_world,
     _timeout,
     _use_timer,
+    ensure_tma_allocator,
+    tma_rows,
 )
 from .kernels.tuning import KernelConfig, default_config
 from .symm import Workspace
@@ -358,6 +360,12 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 #   ``da_defer_release``: release a dA tile's row arrivals after the
 #   program's next tile (as the forward's ``KernelConfig.defer_release``);
 #   ``da_max_registers``: BB's register cap per thread (``maxnreg``) or None;
+#   ``da_tma``: BB reads dh1 | dh3 and w1 | w3 through tensor descriptors
+#   made on the device (16-bit data on a GPU, H a multiple of ``da_bk``;
+#   the same values, so the same bits). Measured on 2 x H200
+#   (docs/performance.md, backward run 13): qwen3-like backward 3.09 / 3.10
+#   -> 3.05 / 3.06 ms in alternating order, deepseek-like 15.54 -> 15.12,
+#   mixtral-like unchanged (21.04 / 21.09);
 #   ``da_short``: ``(max H, changes)``: for expert hidden dims up to max H the
 #   dA keys take ``changes``: two 4-warp programs per SM with a 32-deep K
 #   step, so that one's epilogue (remote row stores, then a system-scope
@@ -378,7 +386,8 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 # torch._grouped_mm faster still on all three shapes, hence "auto").
 BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, stages=3, warps=8, dh_programs_per_sm=2,
                       da_bk=64, da_stages=3, da_warps=8, da_programs_per_sm=1, da_defer_release=False,
-                      da_max_registers=None, da_short=(2048, dict(da_bk=32, da_warps=4, da_programs_per_sm=2)),
+                      da_max_registers=None, da_tma=True,
+                      da_short=(2048, dict(da_bk=32, da_warps=4, da_programs_per_sm=2)),
                       wgrad="auto", wgrad_w13=(128, 128, 64, 8, 4), wgrad_w2=(128, 256, 64, 8, 3))
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
 
@@ -398,8 +407,8 @@ def backward_block_sizes(cfg: KernelConfig, hidden: int | None = None) -> dict:
     return dict(dh=cfg.block_n_fc1, dh_two_pass=BACKWARD_TILES["dh_two_pass"], da=cfg.block_n_fc2, bk=cfg.block_k,
                 stages=max(1, cfg.num_stages), warps=cfg.num_warps, dh_programs_per_sm=1, da_bk=cfg.block_k,
                 da_stages=max(1, cfg.num_stages), da_warps=cfg.num_warps, da_programs_per_sm=1,
-                da_defer_release=BACKWARD_TILES["da_defer_release"], da_max_registers=None, da_short=(0, {}),
-                wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small, wgrad_w2=small)
+                da_defer_release=BACKWARD_TILES["da_defer_release"], da_max_registers=None, da_tma=False,
+                da_short=(0, {}), wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small, wgrad_w2=small)
 
 
 # torch's sm_90 bf16 grouped GEMM (CUTLASS, grouped mode: each output tile
@@ -420,22 +429,6 @@ def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_
     if requested == "auto":
         return "grouped_mm" if grouped else "triton"
     return requested
-
-
-def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_tma_allocator() -> None:
-    """Tensor descriptors made on the device need Triton's scratch allocator:
-    set ours unless one is set already (in this thread's context)."""
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-    except ImportError:  # another Triton layout: set ours
-        triton.set_allocator(_tma_allocator)
-        return
-    if isinstance(_allocator.get(), NullAllocator):
-        triton.set_allocator(_tma_allocator)
 
 
 def _gather_slot_rows(bws: "BackwardWorkspace", a: dict, score_before: bool) -> None:
@@ -489,7 +482,7 @@ def _weight_grads(bws: "BackwardWorkspace", a: dict, blocks: dict, score_before:
     # transposed A operand from shared memory only for 16-bit types).
     tma = ws.device.type == "cuda" and s.elem_size == 2 and dim % 8 == 0 and hidden % 8 == 0
     if tma:
-        _ensure_tma_allocator()
+        ensure_tma_allocator()
 
     def gemm(a1, a2, b, out1, out2, m, n, tiles, two):
         bm, bn, bk, warps, stages = tiles
@@ -555,6 +548,9 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
 
     grid_bb = (grid[0] * (blocks["da_programs_per_sm"] if ws.device.type == "cuda" else 1),)
     bb_opts = dict(num_warps=blocks["da_warps"], num_stages=blocks["da_stages"])
+    bb_rows = tma_rows(ws, bws.dh1, a["w1"]) if blocks["da_tma"] and hidden % blocks["da_bk"] == 0 else None
+    if bb_rows is not None:
+        ensure_tma_allocator()
     if blocks["da_max_registers"] is not None:
         bb_opts["maxnreg"] = blocks["da_max_registers"]
 
@@ -566,13 +562,13 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             a["num_tokens"], a["x"], a["x"].stride(0), dx, ds, ws.control, ws.arena_ptrs, act, i32, f32,
             ws.anchor_rank, off["slot_copy"], off["returned"],
             ws.offsets["returned"] // 4, off["token_arrivals"], ws.rank_base, s.token_capacity, s.slot_capacity,
-            do_tiles, do_reduce, timeout,
+            do_tiles, do_reduce, timeout, *(bb_rows or (0, 0)),
             NUM_LOCAL=ws.num_local_ranks, DIM=dim, HIDDEN=hidden, TOP_K=top_k, SCORE_BEFORE=score_before,
             BM=cfg.block_m, BN=blocks["da"], BK=blocks["da_bk"], NHB=col_blocks_dh,
             NHBP=triton.next_power_of_2(col_blocks_dh), GROUP_M=cfg.group_m, BT=cfg.reduce_block_tokens,
             BD=cfg.reduce_block_dim, KP=triton.next_power_of_2(top_k), RET_ROW_F32=2 * dim * elem // 4,
             PARTS_AT_F32=dim * elem // 4, PRECISION=precision, USE_TIMER=use_timer,
-            DEFER_RELEASE=bool(blocks["da_defer_release"]), **bb_opts,
+            DEFER_RELEASE=bool(blocks["da_defer_release"]), TMA=bb_rows is not None, **bb_opts,
         )
 
     for phase in phases:

@@ -138,3 +138,55 @@ def test_gpu_backward_with_h1_h3_saved_by_the_forward(world, score_before):
     """The op's path: dH tiles compute G only (two programs per SM), the SwiGLU
     backward runs as its own pass; bitwise across schedules, close to float64."""
     check(make_world(world, 16, 4, TOKENS[world], seed=20 + world), score_before=score_before, saved=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
+    """Forward B's fc2 (``KernelConfig.fc2_tma``) and backward BB's dA
+    (``BACKWARD_TILES["da_tma"]``) read their dense operands through tensor
+    descriptors: the same bits as pointer loads, in both schedules, with
+    several simulated ranks per launch (row offsets per local rank)."""
+    from titan_uniep import fused
+    from titan_uniep.kernels import default_config
+
+    made, original = [], fused.ensure_tma_allocator
+
+    def spy():  # the host side sets the allocator exactly when it launches with descriptors
+        made.append(1)
+        original()
+
+    monkeypatch.setattr(fused, "ensure_tma_allocator", spy)
+    monkeypatch.setattr(fused_backward, "ensure_tma_allocator", spy)
+    w = make_world(world, 16, 4, TOKENS[world], seed=30 + world)
+    num_tokens = max(len(x) for x in w["xs"])
+    fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16, top_k=4,
+                              dtype=torch.bfloat16, device="cuda")
+    base = default_config(world, hidden=HIDDEN)
+    outs = {}
+    for tma in (False, True):
+        for schedule in ("sequential", "fused"):
+            fwd.poison()
+            outs[tma, schedule] = [o.clone() for o in simulated_moe_forward(
+                w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+                score_before_experts=False, workspace=fwd, config=base.replace(fc2_tma=tma))]
+    assert made, "the forward did not take the tensor-descriptor path"
+    for r in range(world):
+        for key in outs:
+            assert torch.equal(outs[key][r], outs[False, "sequential"][r]), f"forward rank {r} {key}"
+    bws = BackwardWorkspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16,
+                                      top_k=4, dtype=torch.bfloat16, device="cuda")
+    made.clear()
+    grads = {}
+    for tma in (False, True):
+        monkeypatch.setitem(fused_backward.BACKWARD_TILES, "da_tma", tma)
+        for schedule in ("sequential", "fused"):
+            bws.poison()
+            grads[tma, schedule] = [[g.clone() for g in rank] for rank in simulated_moe_backward(
+                w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+                score_before_experts=False, workspace=bws, poison_outputs=True)]
+    assert made, "the backward did not take the tensor-descriptor path"
+    for r in range(world):
+        for key in grads:
+            for name, a, b in zip(NAMES, grads[key][r], grads[False, "sequential"][r]):
+                assert torch.equal(a, b), f"backward rank {r} {name} {key}"
+                assert not torch.isnan(a).any(), f"backward rank {r} {name} {key}: NaN"

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
-from .fc2_combine import release_token_arrivals
+from .fc2_combine import matrix_descriptor, release_token_arrivals
 from .route import used_slots
 from .sync import (
     BAD_SLOT,
@@ -508,46 +508,57 @@ def swiglu_backward_kernel(
 def grad_input_tile(
     dh1, dh3, w1, w3, ds_parts, slot_copy, m0, m1, n0,
     arena_ptrs, act_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32, token_capacity,
+    d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
-    RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
     the experts, the column-block-0 tile also sends each row's router-score
     gradient (its ``NHB`` partials summed in fp32). Returns (source rank,
     token, mask) of the rows, whose arrivals the caller releases
-    (``fc2_combine.release_token_arrivals``)."""
+    (``fc2_combine.release_token_arrivals``). ``TMA``: the operands come
+    through the tensor descriptors (``H`` a multiple of ``BK``)."""
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < DIM
-    offs_k = tl.arange(0, BK)
-    g_ptrs = offs_m[:, None].to(tl.int64) * HIDDEN + offs_k[None, :]
-    b_ptrs = offs_k[:, None].to(tl.int64) * DIM + offs_n[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(HIDDEN, BK)):
-        if EVEN_K:
-            g1 = tl.load(dh1 + g_ptrs, mask=mask_m[:, None], other=0.0)
-            g3 = tl.load(dh3 + g_ptrs, mask=mask_m[:, None], other=0.0)
-            if EVEN_N:
-                b1 = tl.load(w1 + b_ptrs)
-                b3 = tl.load(w3 + b_ptrs)
+    if TMA:
+        # The same operand values through tensor descriptors (the same bits):
+        # rows a_row.. of dh1 | dh3, rows b_row.. (H of this expert) of w1 | w3.
+        for k in range(0, tl.cdiv(HIDDEN, BK)):
+            acc = tl.dot(d1_desc.load([a_row, k * BK]), w1_desc.load([b_row + k * BK, n0]), acc,
+                         input_precision=PRECISION)
+            acc = tl.dot(d3_desc.load([a_row, k * BK]), w3_desc.load([b_row + k * BK, n0]), acc,
+                         input_precision=PRECISION)
+    else:
+        offs_k = tl.arange(0, BK)
+        g_ptrs = offs_m[:, None].to(tl.int64) * HIDDEN + offs_k[None, :]
+        b_ptrs = offs_k[:, None].to(tl.int64) * DIM + offs_n[None, :]
+        for k in range(0, tl.cdiv(HIDDEN, BK)):
+            if EVEN_K:
+                g1 = tl.load(dh1 + g_ptrs, mask=mask_m[:, None], other=0.0)
+                g3 = tl.load(dh3 + g_ptrs, mask=mask_m[:, None], other=0.0)
+                if EVEN_N:
+                    b1 = tl.load(w1 + b_ptrs)
+                    b3 = tl.load(w3 + b_ptrs)
+                else:
+                    b1 = tl.load(w1 + b_ptrs, mask=mask_n[None, :], other=0.0)
+                    b3 = tl.load(w3 + b_ptrs, mask=mask_n[None, :], other=0.0)
             else:
-                b1 = tl.load(w1 + b_ptrs, mask=mask_n[None, :], other=0.0)
-                b3 = tl.load(w3 + b_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < HIDDEN - k * BK
-            g1 = tl.load(dh1 + g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            g3 = tl.load(dh3 + g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b1 = tl.load(w1 + b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            b3 = tl.load(w3 + b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(g1, b1, acc, input_precision=PRECISION)
-        acc = tl.dot(g3, b3, acc, input_precision=PRECISION)
-        g_ptrs += BK
-        b_ptrs += BK * DIM
+                mask_k = offs_k < HIDDEN - k * BK
+                g1 = tl.load(dh1 + g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                g3 = tl.load(dh3 + g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b1 = tl.load(w1 + b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                b3 = tl.load(w3 + b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(g1, b1, acc, input_precision=PRECISION)
+            acc = tl.dot(g3, b3, acc, input_precision=PRECISION)
+            g_ptrs += BK
+            b_ptrs += BK * DIM
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     per_rank = token_capacity * TOP_K
     source = copy_id // per_rank
@@ -625,7 +636,7 @@ def reduce_grad_task(
             tl.store(ds_ptr + route, ds, mask=mask_tk)
 
 
-@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_tiles", "do_reduce", "timeout"])
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_tiles", "do_reduce", "timeout", "dh_rows", "w_rows"])
 def grad_input_combine_kernel(
     dh1_ptr,  # (L, S, H)
     dh3_ptr,  # (L, S, H)
@@ -663,6 +674,8 @@ def grad_input_combine_kernel(
     do_tiles,
     do_reduce,
     timeout,
+    dh_rows,  # rows of dh1 / dh3 as (rows, H) and of w1 / w3 as (rows, D) matrices (TMA)
+    w_rows,
     NUM_LOCAL: tl.constexpr,
     DIM: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -682,8 +695,13 @@ def grad_input_combine_kernel(
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
     DEFER_RELEASE: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     col_blocks = tl.cdiv(DIM, BN)
+    d1_desc = matrix_descriptor(dh1_ptr, dh_rows, HIDDEN, BM, BK, TMA)
+    d3_desc = matrix_descriptor(dh3_ptr, dh_rows, HIDDEN, BM, BK, TMA)
+    w1_desc = matrix_descriptor(w1_ptr, w_rows, DIM, BK, BN, TMA)
+    w3_desc = matrix_descriptor(w3_ptr, w_rows, DIM, BK, BN, TMA)
     # DEFER_RELEASE: a tile's arrivals are released after the program's next
     # tile (as megakernel B's ``defer_release``); the last ones after the loop.
     pending_source = tl.zeros([BM], dtype=tl.int32)
@@ -714,9 +732,11 @@ def grad_input_combine_kernel(
                         ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
                         arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
                         m0, m1, col_block * BN, arena_ptrs, act_anchor, f32_anchor, anchor_rank,
-                        off_returned, off_returned_f32, token_capacity,
+                        off_returned, off_returned_f32, token_capacity, d1_desc, d3_desc, w1_desc, w3_desc,
+                        local * (h_rank_stride // HIDDEN).to(tl.int32) + m0,
+                        local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
                         DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                        RET_ROW_F32, PARTS_AT_F32, PRECISION,
+                        RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA,
                     )
                     if DEFER_RELEASE:
                         # The previous tile's stores have had this tile's K-loop to land.

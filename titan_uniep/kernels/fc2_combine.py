@@ -106,6 +106,32 @@ def fc2_tile(
 
 
 @triton.jit
+def fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, PRECISION: tl.constexpr):
+    """``fc2_tile``'s fp32 product, its operands read through tensor
+    descriptors: rows ``a_row..+BM`` of h and ``b_row..+BN`` of w2 (both
+    ``(rows, H)``; columns past H are zero-filled). Rows past the expert's
+    last slot are other experts' or zeros; their output rows are masked."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(HIDDEN, BK)):
+        a = h_desc.load([a_row, k * BK])
+        b = w2_desc.load([b_row, k * BK])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def matrix_descriptor(ptr, rows, COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ON: tl.constexpr):
+    """A tensor descriptor of the ``(rows, COLS)`` row-major matrix at ``ptr``
+    in blocks of ``BR x BC`` (``ON``), else the pointer itself."""
+    if ON:
+        desc = tl.make_tensor_descriptor(ptr, shape=[rows, COLS], strides=[COLS, 1], block_shape=[BR, BC])
+    else:
+        desc = ptr
+    return desc
+
+
+@triton.jit
 def store_rows_to_sources(
     y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena_ptrs, act_anchor, anchor_rank, off_returned,
     token_capacity, DIM: tl.constexpr, TOP_K: tl.constexpr,
@@ -332,7 +358,7 @@ def reduce_task(
 
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_fc2", "do_send", "do_reduce", "num_send_programs",
-                               "timeout"])
+                               "timeout", "h_rows", "w2_rows"])
 def fc2_combine_kernel(
     h_ptr,  # (L, S, H)
     h_rank_stride,
@@ -373,6 +399,8 @@ def fc2_combine_kernel(
     do_reduce,
     num_send_programs,
     timeout,
+    h_rows,  # rows of h and of w2 as (rows, H) matrices (TMA)
+    w2_rows,
     NUM_LOCAL: tl.constexpr,
     DIM: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -393,8 +421,13 @@ def fc2_combine_kernel(
     PRESUM: tl.constexpr = False,
     WORLD: tl.constexpr = 1,
     KP: tl.constexpr = 1,
+    TMA: tl.constexpr = False,
 ):
     col_blocks = tl.cdiv(DIM, BN)
+    # TMA: fc2 reads h and w2 through tensor descriptors made once per program
+    # (the same values as the pointer loads, so the same bits).
+    h_desc = matrix_descriptor(h_ptr, h_rows, HIDDEN, BM, BK, TMA)
+    w2_desc = matrix_descriptor(w2_ptr, w2_rows, HIDDEN, BN, BK, TMA)
     # Direct combine with DEFER_RELEASE: a tile's arrivals are released after
     # the program's next tile has been computed, so the system-scope release
     # (which waits until the tile's remote stores have landed) finds them
@@ -423,11 +456,23 @@ def fc2_combine_kernel(
                 m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
                 m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
                 if m1 <= slot_capacity:
-                    expert_offset = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * DIM * HIDDEN
-                    y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
-                        h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
-                        m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
-                    )
+                    if TMA:
+                        a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
+                        b_row = (local * (weight_rank_stride // HIDDEN).to(tl.int32) + expert * DIM
+                                 + col_block * BN)
+                        y = fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN, BM, BN, BK,
+                                         PRECISION).to(h_ptr.dtype.element_ty)
+                        offs_m = m0 + tl.arange(0, BM)
+                        mask_m = offs_m < m1
+                        offs_n = col_block * BN + tl.arange(0, BN)
+                        mask_n = offs_n < DIM
+                    else:
+                        expert_offset = (local.to(tl.int64) * weight_rank_stride
+                                         + expert.to(tl.int64) * DIM * HIDDEN)
+                        y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
+                            h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
+                            m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
+                        )
                     if STAGED | PRESUM:
                         staged = y_ptr + local.to(tl.int64) * y_rank_stride
                         tl.store(staged + offs_m[:, None].to(tl.int64) * DIM + offs_n[None, :], y,

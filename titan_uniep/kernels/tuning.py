@@ -68,6 +68,14 @@ class KernelConfig:
     fc2_num_stages: int | None = None
     """Software-pipelining depth of megakernel B's fc2 loop; ``None``: ``num_stages``."""
 
+    fc2_tma: bool = False
+    """Megakernel B reads fc2's operands (h and w2, both dense) through tensor
+    descriptors made on the device (TMA) where they can serve: 16-bit data on
+    a GPU, rows a multiple of 16 bytes. The same values, so the same bits.
+    Measured on 2 x H200 (docs/performance.md, backward run 13): qwen3-like
+    forward 1.60 against 1.57 ms with pointer loads, mixtral-like slower too,
+    hence off (the backward's dA uses descriptors: there they are faster)."""
+
     fc2_max_registers: int | None = None
     """Register cap per thread of megakernel B (Triton's ``maxnreg``), e.g. 128
     so that two 8-warp programs fit an SM; ``None``: the compiler's choice."""
