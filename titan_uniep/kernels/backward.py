@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .dispatch_fc1 import grouped_tile_task
-from .fc2_combine import matrix_descriptor, release_token_arrivals
+from .fc2_combine import matrix_descriptor, release_or_defer, release_token_arrivals
 from .route import used_slots
 from .sync import (
     BAD_SLOT,
@@ -507,19 +507,24 @@ def swiglu_backward_kernel(
 @triton.jit
 def grad_input_tile(
     dh1, dh3, w1, w3, ds_parts, slot_copy, m0, m1, n0,
-    arena_ptrs, act_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32, token_capacity,
-    d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row,
+    arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank, off_returned, off_returned_f32,
+    off_token_arrivals, token_capacity, d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row,
+    pending_source, pending_token, pending,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
     RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DEFER_RELEASE: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
     the experts, the column-block-0 tile also sends each row's router-score
     gradient (its ``NHB`` partials summed in fp32). Returns (source rank,
     token, mask) of the rows, whose arrivals the caller releases
-    (``fc2_combine.release_token_arrivals``). ``TMA``: the operands come
-    through the tensor descriptors (``H`` a multiple of ``BK``)."""
+    (``fc2_combine.release_or_defer``); ``DEFER_RELEASE``: the previous
+    tile's pending arrivals are released here, after the K-loop and before
+    this tile's stores (a release after them would wait for them too).
+    ``TMA``: the operands come through the tensor descriptors (``H`` a
+    multiple of ``BK``)."""
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
     offs_m = m0 + tl.arange(0, BM)
@@ -559,6 +564,9 @@ def grad_input_tile(
             acc = tl.dot(g3, b3, acc, input_precision=PRECISION)
             g_ptrs += BK
             b_ptrs += BK * DIM
+    if DEFER_RELEASE:
+        release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,
+                               off_token_arrivals)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     per_rank = token_capacity * TOP_K
     source = copy_id // per_rank
@@ -731,23 +739,18 @@ def grad_input_combine_kernel(
                         dh1_ptr + hidden_at, dh3_ptr + hidden_at, w1_ptr + weights, w3_ptr + weights,
                         ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
                         arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
-                        m0, m1, col_block * BN, arena_ptrs, act_anchor, f32_anchor, anchor_rank,
-                        off_returned, off_returned_f32, token_capacity, d1_desc, d3_desc, w1_desc, w3_desc,
+                        m0, m1, col_block * BN, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                        off_returned, off_returned_f32, off_token_arrivals, token_capacity,
+                        d1_desc, d3_desc, w1_desc, w3_desc,
                         local * (h_rank_stride // HIDDEN).to(tl.int32) + m0,
                         local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
+                        pending_source, pending_token, pending,
                         DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                        RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA,
+                        RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, DEFER_RELEASE,
                     )
-                    if DEFER_RELEASE:
-                        # The previous tile's stores have had this tile's K-loop to land.
-                        release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor,
-                                               anchor_rank, off_token_arrivals)
-                        pending_source = source
-                        pending_token = token
-                        pending = rows
-                    else:
-                        release_token_arrivals(source, token, rows, arena_ptrs, i32_anchor, anchor_rank,
-                                               off_token_arrivals)
+                    pending_source, pending_token, pending = release_or_defer(
+                        source, token, rows, pending_source, pending_token, pending, arena_ptrs, i32_anchor,
+                        anchor_rank, off_token_arrivals, DEFER_RELEASE)
             task = next_task(control_ptr, _CTL_BWD_DA)
         if DEFER_RELEASE:
             release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,

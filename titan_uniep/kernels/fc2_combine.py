@@ -156,6 +156,24 @@ def release_token_arrivals(source, token, mask, arena_ptrs, i32_anchor, anchor_r
 
 
 @triton.jit
+def release_or_defer(source, token, rows, pending_source, pending_token, pending, arena_ptrs, i32_anchor,
+                     anchor_rank, off_token_arrivals, DEFER: tl.constexpr):
+    """After a tile's row stores (and a barrier): release their arrivals now,
+    or (``DEFER``) keep them pending until the program's next tile has run
+    its K-loop, by which time the stores have landed and the system-scope
+    release finds nothing to wait for. The caller releases the pending rows
+    before its next tile's stores and once after its last tile. Returns the
+    pending (source, token, mask)."""
+    if DEFER:
+        pending_source = source
+        pending_token = token
+        pending = rows
+    else:
+        release_token_arrivals(source, token, rows, arena_ptrs, i32_anchor, anchor_rank, off_token_arrivals)
+    return pending_source, pending_token, pending
+
+
+@triton.jit
 def send_task(
     task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
     y_ptr, y_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_slot_copy,
@@ -491,13 +509,9 @@ def fc2_combine_kernel(
                         )
                         # Every thread's row stores before any arrival is released.
                         tl.debug_barrier()
-                        if DEFER_RELEASE:
-                            pending_source = source
-                            pending_token = token
-                            pending = mask_m
-                        else:
-                            release_token_arrivals(source, token, mask_m, arena_ptrs, i32_anchor, anchor_rank,
-                                                   off_token_arrivals)
+                        pending_source, pending_token, pending = release_or_defer(
+                            source, token, mask_m, pending_source, pending_token, pending, arena_ptrs, i32_anchor,
+                            anchor_rank, off_token_arrivals, DEFER_RELEASE)
             task = next_task(control_ptr, _CTL_FC2_TASKS)
         if DEFER_RELEASE:
             release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,
