@@ -24,11 +24,13 @@ def time_ms(fn, reps: int = 10, warmup: int = 2) -> float:
     return sorted(times)[reps // 2]
 
 
-def simulated_world(shape: str, world: int = 2, seed: int = 0) -> dict:
-    """Random bf16 inputs of a simulated EP world of ``world`` ranks at ``shape``:
-    per rank x, dOut (``grads``), router-like scores and top-k expert ids, and the
-    rank's local w1, w2, w3; plus the shape's sizes ``t, d, h, e, k``."""
+def simulated_world(shape: str, world: int = 2, seed: int = 0, tokens: int | None = None) -> dict:
+    """Random bf16 inputs of a simulated EP world of ``world`` ranks at ``shape``
+    (``tokens``: T per rank instead of the shape's): per rank x, dOut
+    (``grads``), router-like scores and top-k expert ids, and the rank's local
+    w1, w2, w3; plus the sizes ``t, d, h, e, k``."""
     t, d, h, e, k = SHAPES[shape]
+    t = tokens or t
     el, dev = e // world, torch.device("cuda")
     torch.manual_seed(seed)
 

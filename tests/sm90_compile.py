@@ -15,11 +15,12 @@ import tempfile
 from pathlib import Path
 
 
-def build(fn, pointers: dict, consts: dict, *, num_warps: int, num_stages: int):
+def build(fn, pointers: dict, consts: dict, *, num_warps: int, num_stages: int, max_registers: int | None = None):
     """Compile ``fn`` for sm_90 as the JIT would specialise it: ``pointers``
     maps pointer parameters to their torch dtype; pointers, ``off_*`` offsets
     and ``*stride`` parameters are 16-divisible, other scalars int32 (strides
-    int64). Returns the compiled kernel (``.asm``, ``.metadata``)."""
+    int64); ``max_registers``: Triton's ``maxnreg``. Returns the compiled
+    kernel (``.asm``, ``.metadata``)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -35,8 +36,11 @@ def build(fn, pointers: dict, consts: dict, *, num_warps: int, num_stages: int):
             "i64" if p.name.endswith("stride") else "i32")
         if p.name in pointers or p.name.startswith("off_") or p.name.endswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=options)
 
 
 def loops(ttgir: str) -> list[str]:

@@ -196,6 +196,41 @@ def test_backward_with_h1_h3_saved_by_the_forward(score_before):
                                saved_h13=saved[:, :-1])
 
 
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before, monkeypatch):
+    """``dh_copies_rows``: megakernel BA's dH tasks write the weight
+    gradients' dense slot rows (a column chunk each) instead of the gather
+    launch. Every gradient equals the gather path's bit for bit in both
+    schedules (poisoned workspace: a chunk no task copies would show up as NaN
+    in dW1 / dW2 / dW3); skewed routing with empty experts, odd T."""
+    from titan_uniep import fused_backward
+    from titan_uniep.fused import simulated_moe_forward
+    from titan_uniep.symm import Workspace
+
+    w = make_world(2, 8, 3, [13, 10], seed=83, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
+    cfg = interpreter_config()
+    fwd = Workspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                              dtype=torch.float32, config=cfg)
+    saved = torch.full((2, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
+    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                          score_before_experts=score_before, config=cfg, workspace=fwd, saved_h13=saved)
+    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                                     dtype=torch.float32, config=cfg)
+    outs = {}
+    for copied in (False, True):
+        monkeypatch.setitem(fused_backward.BACKWARD_TILES, "dh_copies_rows", copied)
+        for schedule in ("sequential", "fused"):
+            ws.poison()
+            outs[copied, schedule] = simulated_moe_backward(
+                w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+                score_before_experts=score_before, config=cfg, workspace=ws, poison_outputs=True, saved_h13=saved)
+    assert_correct(w, outs[True, "sequential"], outs[True, "fused"], score_before=score_before)
+    for schedule in ("sequential", "fused"):
+        for r in range(2):
+            for name, a, b in zip(NAMES, outs[False, schedule][r], outs[True, schedule][r]):
+                assert torch.equal(a, b), f"{schedule} rank {r} {name}: the copy by the dH tasks changed a value"
+
+
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing",
                                   "rank_with_no_tokens", "one_local_expert"])
 def test_backward_bitwise_and_correct_under_edge_routing(case):

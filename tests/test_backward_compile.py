@@ -29,7 +29,7 @@ def compile_all() -> None:
 
     import sm90_compile
     from sm90_compile import loops, programs_per_sm, ptxas_usage
-    from titan_uniep.fused_backward import backward_block_sizes
+    from titan_uniep.fused_backward import ba_max_registers, backward_block_sizes
     from titan_uniep.kernels.backward import (dispatch_grad_hidden_kernel, grad_input_combine_kernel,
                                               swiglu_backward_kernel)
     from titan_uniep.kernels.tuning import KernelConfig
@@ -38,8 +38,9 @@ def compile_all() -> None:
     cfg = KernelConfig()
     blocks = backward_block_sizes(cfg)
 
-    def build(fn, pointers, consts, num_warps=blocks["warps"], num_stages=blocks["stages"]):
-        return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages)
+    def build(fn, pointers, consts, num_warps=blocks["warps"], num_stages=blocks["stages"], max_registers=None):
+        return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages,
+                                  max_registers=max_registers)
 
     def check(kernel, what, gemm_loops, even, tma=False):
         ttgir = kernel.asm["ttgir"]
@@ -59,7 +60,7 @@ def compile_all() -> None:
     ba = dict(**anchors, x_ptr=bf, g_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
               num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
               w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, h13_ptr=bf,
-              g32_ptr=f32, control_ptr=i64, arena_ptrs=i64)
+              g32_ptr=f32, slot_rows_ptr=bf, control_ptr=i64, arena_ptrs=i64)
     bb = dict(**anchors, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w3_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32,
               tile_end_ptr=i32, num_tiles_ptr=i32, ds_parts_ptr=f32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf,
               dx_ptr=bf, ds_ptr=f32, control_ptr=i64, arena_ptrs=i64)
@@ -73,12 +74,19 @@ def compile_all() -> None:
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
                          USE_TIMER=True, GROUP_M=cfg.group_m, BM=cfg.block_m, BK=blocks["bk"], KP=8)
             what = f"D={dim} H={hidden} scores {'before' if score_before else 'after'}"
-            for saved in (True, False):  # h1 | h3 from the forward (the op's path), or recomputed
+            # h1 | h3 from the forward (the op's path; its dH tasks may also copy the
+            # weight gradients' slot rows, dh_copies_rows), or recomputed.
+            for saved, copy in ((True, False), (True, True), (False, False)):
                 kernel = build(dispatch_grad_hidden_kernel, ba, dict(
                     NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16, BD=512, TWO_PASS=bool(blocks["dh_two_pass"]),
-                    SAVED_H13=saved, **shape))
+                    SAVED_H13=saved, COPY_ROWS=copy, BDC=64, **shape), max_registers=ba_max_registers(blocks, copy))
                 loops_ba = 1 if saved else 1 + blocks["dh_two_pass"]
-                check(kernel, f"BA (dispatch + dH{', saved h1|h3' if saved else ''}) {what}", loops_ba, even)
+                name = f"BA (dispatch + dH{', saved h1|h3' if saved else ''}{', copies rows' if copy else ''}) {what}"
+                check(kernel, name, loops_ba, even)
+                if saved and (even or copy):  # (odd test shapes without the cap may fit one per SM)
+                    fit = programs_per_sm(kernel, blocks["warps"])
+                    assert fit >= blocks["dh_programs_per_sm"], f"{name}: {fit} programs fit an SM, launched " \
+                        f"with {blocks['dh_programs_per_sm']}"
             nhb = -(-hidden // blocks["dh"])
             da = backward_block_sizes(cfg, hidden)  # the dA keys as launched for this H
             tma = bool(da["da_tma"]) and hidden % da["da_bk"] == 0  # as fused_backward launches it (bf16)

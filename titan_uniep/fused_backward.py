@@ -12,9 +12,10 @@ the output gradient, on the same deterministic layout as the forward:
     -> megakernel BB: dA = dh1 @ w1 + dh3 @ w3 sent back and combined over k
        (dx, router-score grads)
     -> weight grads (``kernels.wgrad``, no communication): each slot's x and
-       dOut rows gathered into dense slot order, then per expert over all
-       its rows: ``torch._grouped_mm`` on the GPU in bf16, the Triton kernel
-       elsewhere (``BACKWARD_TILES["wgrad"]``)
+       dOut rows in dense slot order (with saved h1 | h3 written by BA's dH
+       tasks, ``BACKWARD_TILES["dh_copies_rows"]``; else by a gather launch),
+       then per expert over all its rows: ``torch._grouped_mm`` on the GPU in
+       bf16, the Triton kernel elsewhere (``BACKWARD_TILES["wgrad"]``)
 
 What is kept between forward and backward: the op's inputs (x, scores,
 indices, weights) and, when the forward was given ``saved_h13``, each
@@ -366,6 +367,18 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 #   (docs/performance.md, backward run 13): qwen3-like backward 3.09 / 3.10
 #   -> 3.05 / 3.06 ms in alternating order, deepseek-like 15.54 -> 15.12,
 #   mixtral-like unchanged (21.04 / 21.09);
+# - ``dh_copies_rows``: with saved h1 | h3, megakernel BA's dH tasks also write
+#   the weight gradients' dense slot rows (each task one column chunk of its
+#   tile's x and dOut rows), instead of the separate gather launch after BB:
+#   the copy then overlaps the other programs' GEMM work. The same values,
+#   so the same bits. BA is then launched with a register cap
+#   (``ba_max_registers``) so that ``dh_programs_per_sm`` programs still fit.
+#   Measured on one H200 (simulated EP = 2 world, both ranks' work in one
+#   launch; docs/performance.md, backward run 14): sequential kernels
+#   qwen3-like BA 1.13 -> 1.38-1.40 ms and the 0.50 ms gather gone; fused
+#   backward 7.74 / 7.78 / 8.01 / 7.93 -> 7.57 / 7.51 / 8.07 / 7.65 ms in
+#   alternating pairs; deepseek- (T = 2048) and mixtral-like also lose the
+#   gather (0.42, 0.27 ms) for +0.06-0.09 ms of BA (mixtral-like: within noise);
 #   ``da_short``: ``(max H, changes)``: for expert hidden dims up to max H the
 #   dA keys take ``changes``: two 4-warp programs per SM with a 32-deep K
 #   step, so that one's epilogue (remote row stores, then a system-scope
@@ -386,7 +399,7 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 # torch._grouped_mm faster still on all three shapes, hence "auto").
 BACKWARD_TILES = dict(dh=128, dh_two_pass=1, da=128, bk=64, stages=3, warps=8, dh_programs_per_sm=2,
                       da_bk=64, da_stages=3, da_warps=8, da_programs_per_sm=1, da_defer_release=False,
-                      da_max_registers=None, da_tma=True,
+                      da_max_registers=None, da_tma=True, dh_copies_rows=True,
                       da_short=(2048, dict(da_bk=32, da_warps=4, da_programs_per_sm=2)),
                       wgrad="auto", wgrad_w13=(128, 128, 64, 8, 4), wgrad_w2=(128, 256, 64, 8, 3))
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
@@ -408,12 +421,23 @@ def backward_block_sizes(cfg: KernelConfig, hidden: int | None = None) -> dict:
                 stages=max(1, cfg.num_stages), warps=cfg.num_warps, dh_programs_per_sm=1, da_bk=cfg.block_k,
                 da_stages=max(1, cfg.num_stages), da_warps=cfg.num_warps, da_programs_per_sm=1,
                 da_defer_release=BACKWARD_TILES["da_defer_release"], da_max_registers=None, da_tma=False,
-                da_short=(0, {}), wgrad=BACKWARD_TILES["wgrad"], wgrad_w13=small, wgrad_w2=small)
+                da_short=(0, {}), dh_copies_rows=BACKWARD_TILES["dh_copies_rows"],
+                wgrad=BACKWARD_TILES["wgrad"],
+                wgrad_w13=small, wgrad_w2=small)
 
 
 # torch's sm_90 bf16 grouped GEMM (CUTLASS, grouped mode: each output tile
 # reduces over its group's whole K, no split-K) takes fewer than 1024 groups.
 GROUPED_MM_MAX_GROUPS = 1023
+
+
+def ba_max_registers(blocks: dict, copy_rows: bool) -> int | None:
+    """Register cap of megakernel BA with saved h1 | h3: none, unless its dH
+    tasks also copy slot rows (``dh_copies_rows``), which would take ptxas past
+    what ``dh_programs_per_sm`` programs of ``warps`` warps may use."""
+    if not copy_rows or blocks["dh_programs_per_sm"] <= 1:
+        return None
+    return 65536 // (32 * blocks["warps"] * blocks["dh_programs_per_sm"]) // 8 * 8
 
 
 def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_local_experts: int = 1) -> str:
@@ -447,14 +471,16 @@ def _gather_slot_rows(bws: "BackwardWorkspace", a: dict, score_before: bool) -> 
 
 
 def _weight_grads(bws: "BackwardWorkspace", a: dict, blocks: dict, score_before: bool, interpret: bool,
-                  poison: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dW1, dW2, dW3 ``(L, El, ...)`` of every local rank: the dense slot rows,
-    then the per-expert GEMMs (``kernels.wgrad``)."""
+                  poison: bool, rows_copied: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dW1, dW2, dW3 ``(L, El, ...)`` of every local rank: the dense slot rows
+    (unless megakernel BA wrote them: ``rows_copied``), then the per-expert
+    GEMMs (``kernels.wgrad``)."""
     ws = bws.inner
     s = ws.shape
     dim, hidden, num_local, el = bws.dim, s.hidden, ws.num_local_ranks, s.num_local_experts
     rows = bws.slot_rows
-    _gather_slot_rows(bws, a, score_before)
+    if not rows_copied:
+        _gather_slot_rows(bws, a, score_before)
     xs, dys = rows[:, 0], rows[:, 1]
     h, dh1, dh3 = ws.h, bws.dh1, bws.dh3
     if wgrad_backend(blocks["wgrad"], s.dtype, ws.device, el) == "grouped_mm":
@@ -529,6 +555,10 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     # (Every program dispatches before it takes a tile, so programs that are
     # not resident yet cannot hold up a waiting tile.)
     grid_ba = (grid[0] * (blocks["dh_programs_per_sm"] if h13 is not None and ws.device.type == "cuda" else 1),)
+    copy_rows = h13 is not None and bool(blocks["dh_copies_rows"])
+    ba_opts = dict(opts)
+    if ws.device.type == "cuda" and ba_max_registers(blocks, copy_rows) is not None:
+        ba_opts["maxnreg"] = ba_max_registers(blocks, copy_rows)
 
     def kernel_ba(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
         dispatch_grad_hidden_kernel[grid_ba](
@@ -536,14 +566,16 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             a["dest_rank"].stride(0), a["num_tokens"], a["tile_expert"], a["tile_start"], a["tile_end"],
             a["tile_expert"].stride(0), a["num_tiles"], a["w1"], a["w2"], a["w3"], a["w1"].stride(0),
             h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), h if h13 is None else h13,
-            h.stride(0) if h13 is None else h13.stride(0), g32, ws.control, ws.arena_ptrs, act, i32,
+            h.stride(0) if h13 is None else h13.stride(0), g32, bws.slot_rows, bws.slot_rows.stride(0),
+            ws.control, ws.arena_ptrs, act, i32,
             f32, ws.anchor_rank, off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
             ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
             do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout,
             NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["dh"], BK=blocks["bk"], GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(top_k),
-            TWO_PASS=bool(blocks["dh_two_pass"]), SAVED_H13=h13 is not None, PRECISION=precision, USE_TIMER=use_timer, **opts,
+            TWO_PASS=bool(blocks["dh_two_pass"]), SAVED_H13=h13 is not None, PRECISION=precision, USE_TIMER=use_timer,
+            COPY_ROWS=copy_rows, BDC=min(64, triton.next_power_of_2(dim)), **ba_opts,
         )
 
     grid_bb = (grid[0] * (blocks["da_programs_per_sm"] if ws.device.type == "cuda" else 1),)
@@ -596,7 +628,7 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
         elif phase == "da":
             kernel_bb(1, 0)
         elif phase == "wgrad":
-            dws = _weight_grads(bws, a, blocks, score_before, interpret, poison)
+            dws = _weight_grads(bws, a, blocks, score_before, interpret, poison, copy_rows)
         elif phase == "reduce":
             kernel_bb(0, 1)
         else:

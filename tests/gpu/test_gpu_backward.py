@@ -64,15 +64,17 @@ def float64_grads(w, score_before):
     return per_rank
 
 
-def check(w, *, score_before, wgrad="auto", saved=False):
+def check(w, *, score_before, wgrad="auto", saved=False, tiles=None):
+    """Fused == sequential == run again bitwise, no NaN, close to float64;
+    returns the fused gradients. ``tiles``: more ``BACKWARD_TILES`` overrides."""
     world = len(w["xs"])
-    tiles = dict(fused_backward.BACKWARD_TILES)
-    fused_backward.BACKWARD_TILES["wgrad"] = wgrad
+    defaults = dict(fused_backward.BACKWARD_TILES)
+    fused_backward.BACKWARD_TILES.update(wgrad=wgrad, **(tiles or {}))
     try:
-        _check(w, world, score_before, saved)
+        return _check(w, world, score_before, saved)
     finally:
         fused_backward.BACKWARD_TILES.clear()
-        fused_backward.BACKWARD_TILES.update(tiles)
+        fused_backward.BACKWARD_TILES.update(defaults)
 
 
 def _check(w, world, score_before, saved):
@@ -106,6 +108,7 @@ def _check(w, world, score_before, saved):
             if ref.numel():
                 err = (fus.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
                 assert err < 3e-2, f"rank {r} {name}: relative max error {err:.3g} vs float64"
+    return outs["fused"]
 
 
 TOKENS = {2: [300, 257], 4: [300, 170, 0, 257], 8: [300, 170, 0, 257, 64, 1, 129, 200]}
@@ -190,3 +193,18 @@ def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
             for name, a, b in zip(NAMES, grads[key][r], grads[False, "sequential"][r]):
                 assert torch.equal(a, b), f"backward rank {r} {name} {key}"
                 assert not torch.isnan(a).any(), f"backward rank {r} {name} {key}: NaN"
+
+
+@pytest.mark.parametrize("option", ["dh_copies_rows"])
+@pytest.mark.parametrize("world,score_before", [(2, False), (2, True), (8, False)])
+def test_gpu_backward_options_change_no_bits(world, score_before, option):
+    """``BACKWARD_TILES["dh_copies_rows"]``: megakernel BA's dH tasks (two
+    per SM, under a register cap) write the weight gradients' dense slot rows
+    instead of the gather launch. Every gradient equals the other setting's
+    bit for bit (and is bitwise across schedules, close to float64)."""
+    w = make_world(world, 16, 4, TOKENS[world], seed=40 + world)
+    off = check(w, score_before=score_before, saved=True, tiles={option: False})
+    on = check(w, score_before=score_before, saved=True, tiles={option: True})
+    for r in range(world):
+        for name, a, b in zip(NAMES, off[r], on[r]):
+            assert torch.equal(a, b), f"rank {r} {name}: {option} changed a value"

@@ -73,6 +73,7 @@ import triton.language as tl
 from .dispatch_fc1 import grouped_tile_task
 from .fc2_combine import matrix_descriptor, release_or_defer, release_token_arrivals
 from .route import used_slots
+from .wgrad import copy_slot_rows
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
@@ -355,6 +356,8 @@ def dispatch_grad_hidden_kernel(
     h13_ptr,  # (L, S, 2H) h1 | h3 saved by the forward (SAVED_H13; any pointer otherwise)
     h13_rank_stride,
     g32_ptr,  # (L, S, H) fp32 out: G = dOut @ w2 per slot (SAVED_H13; any pointer otherwise), h_rank_stride
+    slot_rows_ptr,  # (L, 2, S, D) out: dense [xs, dys] slot rows (COPY_ROWS; any pointer otherwise)
+    slot_rows_rank_stride,
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64
     act_anchor,
@@ -391,6 +394,8 @@ def dispatch_grad_hidden_kernel(
     SAVED_H13: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    COPY_ROWS: tl.constexpr = False,
+    BDC: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     if (do_dispatch != 0) & (pid < num_dispatch_programs):
@@ -447,6 +452,23 @@ def dispatch_grad_hidden_kernel(
                         m0, m1, col_block, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, TWO_PASS, SAVED_H13,
                         PRECISION,
                     )
+                    if COPY_ROWS:
+                        # The weight gradients' dense slot rows (what gather_slot_rows_kernel
+                        # writes otherwise): column chunk ``col_block`` of the tile's rows, so
+                        # the copy overlaps the other programs' GEMM work.
+                        NHB: tl.constexpr = (HIDDEN + BN - 1) // BN
+                        CHUNK: tl.constexpr = ((DIM + NHB - 1) // NHB + BDC - 1) // BDC * BDC
+                        capacity = local.to(tl.int64) * 0 + slot_capacity  # int64: S * D may pass 2**31
+                        xs = slot_rows_ptr + local.to(tl.int64) * slot_rows_rank_stride
+                        offs_s = m0 + tl.arange(0, BM)
+                        d_lo = col_block * CHUNK
+                        copy_slot_rows(
+                            arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens),
+                            arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
+                            arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score),
+                            xs, xs + capacity * DIM, offs_s, offs_s < m1, d_lo, tl.minimum(d_lo + CHUNK, DIM),
+                            DIM, TOP_K, SCORE_BEFORE, BDC,
+                        )
             task = next_task(control_ptr, _CTL_BWD_DH)
 
 

@@ -32,6 +32,32 @@ from .route import local_expert_rows, used_slots
 from .sync import arena_ptr
 
 
+@triton.jit
+def copy_slot_rows(tokens, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo, d_hi, DIM: tl.constexpr,
+                   TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BD: tl.constexpr):
+    """Columns ``[d_lo, d_hi)`` of slots ``offs_s``' x rows (times the slot's
+    score, rounded, when scores come before the experts: the forward's fc1
+    operand) and dOut rows, from the de-duplicated ``[x | dOut]`` token rows
+    into ``xs``/``dys`` ``(S, D)`` in slot order. Used by the gather kernel
+    below and by megakernel BA's dH tasks (``BACKWARD_TILES["dh_copies_rows"]``)."""
+    copy = tl.load(slot_copy + offs_s, mask=mask_s, other=0, cache_modifier=".cg")
+    rows = tokens + (copy // TOP_K).to(tl.int64)[:, None] * (2 * DIM)
+    if SCORE_BEFORE:
+        score = tl.load(slot_score + offs_s, mask=mask_s, other=0.0, cache_modifier=".cg")
+    at = offs_s.to(tl.int64)[:, None] * DIM
+    d0 = d_lo
+    while d0 < d_hi:  # (not a range: the interpreter cannot run one with loaded bounds)
+        offs_d = d0 + tl.arange(0, BD)
+        mask = mask_s[:, None] & (offs_d < d_hi)[None, :]
+        x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        if SCORE_BEFORE:
+            x = (x.to(tl.float32) * score[:, None]).to(x.dtype)
+        tl.store(xs + at + offs_d[None, :], x, mask=mask)
+        g = tl.load(rows + DIM + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(dys + at + offs_d[None, :], g, mask=mask)
+        d0 += BD
+
+
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base"])
 def gather_slot_rows_kernel(
     out_ptr,  # (L, 2, S, D): [xs, dys]
@@ -62,26 +88,14 @@ def gather_slot_rows_kernel(
     s0 = tl.program_id(0) * BS
     if s0 < used:
         offs_s = s0 + tl.arange(0, BS)
-        mask_s = offs_s < used
-        copy = tl.load(arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy) + offs_s, mask=mask_s,
-                       other=0, cache_modifier=".cg")
-        tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens)
-        rows = tokens + (copy // TOP_K).to(tl.int64)[:, None] * (2 * DIM)
-        if SCORE_BEFORE:
-            score = tl.load(arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score) + offs_s,
-                            mask=mask_s, other=0.0, cache_modifier=".cg")
         capacity = local.to(tl.int64) * 0 + slot_capacity  # int64 from here: S * D may pass 2**31
-        xs = out_ptr + (local * 2 * capacity + offs_s[:, None]) * DIM
-        dys = xs + capacity * DIM
-        for d0 in range(0, DIM, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask = mask_s[:, None] & (offs_d < DIM)[None, :]
-            x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            if SCORE_BEFORE:
-                x = (x.to(tl.float32) * score[:, None]).to(x.dtype)
-            tl.store(xs + offs_d[None, :], x, mask=mask)
-            g = tl.load(rows + DIM + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(dys + offs_d[None, :], g, mask=mask)
+        xs = out_ptr + local * 2 * capacity * DIM
+        copy_slot_rows(
+            arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens),
+            arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
+            arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score),
+            xs, xs + capacity * DIM, offs_s, offs_s < used, 0, DIM, DIM, TOP_K, SCORE_BEFORE, BD,
+        )
 
 
 @triton.jit
