@@ -5,6 +5,9 @@ and the kernel times of one profiled sequential call, by kernel name.
 
     python scripts/probe_backward_variants.py --shape qwen3 --variants '[{}, {"dh_copies_rows": true}]'
 
+(``"_config": {...}``: ``KernelConfig`` changes, e.g. the reduce blocks, on
+top of ``default_config(W)``.)
+
 Every variant's gradients are compared bit for bit with the first one's.
 In a simulated world both ranks' tasks share one GPU and "remote" stores are
 local, so the communication share is not the 2-GPU one; kernels without
@@ -23,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from titan_uniep import fused_backward
 from titan_uniep.fused import simulated_moe_forward
 from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
+from titan_uniep.kernels import default_config
 from titan_uniep.symm import Workspace
 
 from probe_common import simulated_world, time_ms
@@ -56,12 +60,15 @@ def main():
     ref = None
     for rnd in range(args.rounds):
         for i, override in enumerate(variants):
+            tiles = dict(override)
+            config = default_config(w).replace(**tiles.pop("_config", {}))
             fused_backward.BACKWARD_TILES.clear()
-            fused_backward.BACKWARD_TILES.update({**base, **override})
+            fused_backward.BACKWARD_TILES.update({**base, **tiles})
             try:
                 def call(schedule):
                     return simulated_moe_backward(gs, xs, scores, indices, w1s, w2s, w3s, schedule=schedule,
-                                                  score_before_experts=False, workspace=bws, saved_h13=h13)
+                                                  score_before_experts=False, workspace=bws, saved_h13=h13,
+                                                  config=config)
                 fused_ms = time_ms(lambda: call("fused"), reps=args.reps)
                 # (The outputs are fresh tensors: kept without copies, one variant's at a time.)
                 out = call("fused")

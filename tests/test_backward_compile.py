@@ -29,7 +29,7 @@ def compile_all() -> None:
 
     import sm90_compile
     from sm90_compile import loops, programs_per_sm, ptxas_usage
-    from titan_uniep.fused_backward import ba_max_registers, backward_block_sizes
+    from titan_uniep.fused_backward import ba_max_registers, backward_block_sizes, bb_reduce_dim
     from titan_uniep.kernels.backward import (dispatch_grad_hidden_kernel, grad_input_combine_kernel,
                                               swiglu_backward_kernel)
     from titan_uniep.kernels.tuning import KernelConfig
@@ -92,7 +92,8 @@ def compile_all() -> None:
             tma = bool(da["da_tma"]) and hidden % da["da_bk"] == 0  # as fused_backward launches it (bf16)
             for defer in (False, True):
                 kernel = build(grad_input_combine_kernel, bb, dict(
-                    NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=da["da"], BT=16, BD=256,
+                    NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=da["da"], BT=cfg.reduce_block_tokens,
+                    BD=bb_reduce_dim(cfg, score_before),
                     RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, DEFER_RELEASE=defer, TMA=tma,
                     **{**shape, "BK": da["da_bk"]}), num_warps=da["da_warps"], num_stages=da["da_stages"])
                 check(kernel, f"BB (dA + reduce{', deferred release' if defer else ''}{', TMA' if tma else ''}) "

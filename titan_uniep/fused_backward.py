@@ -431,6 +431,13 @@ def backward_block_sizes(cfg: KernelConfig, hidden: int | None = None) -> dict:
 GROUPED_MM_MAX_GROUPS = 1023
 
 
+def bb_reduce_dim(cfg: KernelConfig, score_before: bool) -> int:
+    """Columns per step of BB's reduce: ``cfg.reduce_block_dim``, at most 256
+    with scores before the experts (that reduce also reads x rows, for the
+    score gradient; at 512 ptxas spills in the 4-warp BB of ``da_short``)."""
+    return min(cfg.reduce_block_dim, 256) if score_before else cfg.reduce_block_dim
+
+
 def ba_max_registers(blocks: dict, copy_rows: bool) -> int | None:
     """Register cap of megakernel BA with saved h1 | h3: none, unless its dH
     tasks also copy slot rows (``dh_copies_rows``), which would take ptxas past
@@ -598,7 +605,7 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             NUM_LOCAL=ws.num_local_ranks, DIM=dim, HIDDEN=hidden, TOP_K=top_k, SCORE_BEFORE=score_before,
             BM=cfg.block_m, BN=blocks["da"], BK=blocks["da_bk"], NHB=col_blocks_dh,
             NHBP=triton.next_power_of_2(col_blocks_dh), GROUP_M=cfg.group_m, BT=cfg.reduce_block_tokens,
-            BD=cfg.reduce_block_dim, KP=triton.next_power_of_2(top_k), RET_ROW_F32=2 * dim * elem // 4,
+            BD=bb_reduce_dim(cfg, score_before), KP=triton.next_power_of_2(top_k), RET_ROW_F32=2 * dim * elem // 4,
             PARTS_AT_F32=dim * elem // 4, PRECISION=precision, USE_TIMER=use_timer,
             DEFER_RELEASE=bool(blocks["da_defer_release"]), TMA=bb_rows is not None, **bb_opts,
         )
