@@ -9,7 +9,8 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVL
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-[ "${TESTS:-1}" = 1 ] && timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_backward.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3
+[ "${TESTS:-1}" = 1 ] && timeout 300 python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/gpu/test_gpu_backward.py} \
+  ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -E "passed|failed|^FAILED|Error" | head -12
 DEFAULT_VARIANTS='[{}, {"dh_copies_rows": true}]'
 PROBE=${PROBE:-probe_backward_variants}
 for shape in ${SHAPES:-qwen3}; do

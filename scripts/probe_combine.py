@@ -5,7 +5,9 @@ backward BB: dA + combine) under tile and release variants, on one shape.
         --forward '[{}, {"defer_release": true}]' --backward '[{}, {"da_defer_release": true}]'
 
 Forward variants are ``KernelConfig`` changes on top of the shipped per-shape
-config; backward variants are overrides of ``fused_backward.BACKWARD_TILES``.
+config; backward variants are overrides of ``fused_backward.BACKWARD_TILES``
+(``"_config": {...}``: ``KernelConfig`` changes for the backward, on top of
+``default_config(W)``).
 Per variant: the fused call's time (CUDA events, median, slowest rank), rank
 0's kernel times of one fused call and of one sequential call (whose launches
 are the phases), and whether fused == sequential bitwise and whether the
@@ -100,15 +102,19 @@ def main() -> None:
     bwd_ws = BackwardWorkspace.for_group(group, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=dtype,
                                          device=dev)
 
+    bwd_config = [default_config(world)]
+
     def backward(schedule):
         return moe_backward(grad, x, scores, indices, w1, w2, w3, workspace=bwd_ws, schedule=schedule,
-                            score_before_experts=False, saved_h13=h13)
+                            score_before_experts=False, saved_h13=h13, config=bwd_config[0])
 
     tiles = dict(fused_backward.BACKWARD_TILES)
     first = None
     for change in json.loads(args.backward):
+        label, change = change, dict(change)
+        bwd_config[0] = default_config(world).replace(**change.pop("_config", {}))
         fused_backward.BACKWARD_TILES.update({**tiles, **change})
-        rec = {"shape": args.shape, "backward": change}
+        rec = {"shape": args.shape, "backward": label}
         try:
             rec["fused_ms"] = round(time_ms(lambda: backward("fused"), args.warmup, args.reps), 3)
             rec["kernels_fused"] = kernel_times(lambda: backward("fused"), rank)

@@ -231,6 +231,45 @@ def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before, monk
                 assert torch.equal(a, b), f"{schedule} rank {r} {name}: the copy by the dH tasks changed a value"
 
 
+@pytest.mark.parametrize("world,num_tokens,saved", [(2, [13, 10], True), (4, [9, 0, 11, 6], False)])
+def test_backward_local_first_schedule_changes_no_bits(world, num_tokens, saved):
+    """``KernelConfig.local_first`` in megakernel BA (rows that stay on a rank
+    dispatched first by every program, tiles of only those first): every
+    gradient equals the default schedule's bit for bit, in both schedules,
+    with h1 | h3 saved by the forward or recomputed (skewed routing, a rank
+    with no tokens)."""
+    from titan_uniep.fused import simulated_moe_forward
+    from titan_uniep.kernels.backward import CTL_BWD_OWN_DISPATCH
+    from titan_uniep.symm import Workspace
+
+    w = make_world(world, 8, 3, num_tokens, seed=91 + world, force=5)
+    base = interpreter_config(num_programs=3)
+    saved_h13 = None
+    if saved:
+        fwd = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                                  dtype=torch.float32, config=base)
+        saved_h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
+        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                              score_before_experts=False, config=base, workspace=fwd, saved_h13=saved_h13)
+    ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8,
+                                     top_k=3, dtype=torch.float32, config=base)
+    outs = {}
+    for flag in (False, True):
+        for schedule in ("sequential", "fused"):
+            ws.poison()
+            outs[flag, schedule] = simulated_moe_backward(
+                w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+                score_before_experts=False, config=base.replace(local_first=flag), workspace=ws,
+                poison_outputs=True, saved_h13=saved_h13)
+        claimed = int(ws.inner.control[0, CTL_BWD_OWN_DISPATCH])  # the last (fused) call's own-rows claims
+        assert (claimed > 0) == flag, f"local_first={flag}: {claimed} own-rows dispatch claims"
+    assert_correct(w, outs[True, "sequential"], outs[True, "fused"], score_before=False)
+    for schedule in ("sequential", "fused"):
+        for r in range(world):
+            for name, a, b in zip(NAMES, outs[False, schedule][r], outs[True, schedule][r]):
+                assert torch.equal(a, b), f"{schedule} rank {r} {name}: local_first changed a value"
+
+
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing",
                                   "rank_with_no_tokens", "one_local_expert"])
 def test_backward_bitwise_and_correct_under_edge_routing(case):

@@ -16,7 +16,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from titan_uniep.fused import exchange_bytes, simulated_moe_forward
 from titan_uniep.kernels import interpreter_config
-from titan_uniep.kernels.sync import CTL_EPOCH
+from titan_uniep.kernels.sync import CTL_EPOCH, CTL_OWN_DISPATCH_TASKS
 from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
 from titan_uniep.reference_math import float64_moe_reference, layout_reference_forward
 from titan_uniep.symm import Workspace, WorkspaceShape, memory_bytes
@@ -310,7 +310,8 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
             lacks = (picked != 3).all(1)
             picked[lacks, -1] = 3
         indices.append(picked.contiguous())
-    cfg = interpreter_config(block_m=block_m)
+    # (local_first: the exchange also writes tile_order, here for half the local experts)
+    cfg = interpreter_config(block_m=block_m, local_first=True, local_first_experts=0.5)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.float32, config=cfg)
     cap = ws.shape.token_capacity
@@ -333,6 +334,49 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
         assert torch.equal(ws.tile_start[r], tiles.tile_start), f"rank {r}: tile_start"
         assert torch.equal(ws.tile_end[r], tiles.tile_end), f"rank {r}: tile_end"
         assert torch.equal(ws.num_tiles[r:r + 1], tiles.num_tiles), f"rank {r}: num_tiles"
+        # tile_order (KernelConfig.local_first): the tiles of the first half of the
+        # local experts whose rows all come from rank r itself first, then the
+        # others, each in id order.
+        el = num_experts // world
+        mine = counts_all[:, r * el:(r + 1) * el]  # (W, El): rows of each source in r's experts
+        own_lo = layout.expert_offsets[:-1] + (torch.cumsum(mine, 0) - mine)[r]
+        own_hi = own_lo + mine[r]
+        ids = torch.arange(ws.shape.tile_capacity)
+        expert = tiles.tile_expert.long()
+        own = ((ids < int(tiles.num_tiles)) & (tiles.tile_start >= own_lo[expert]) & (tiles.tile_end <= own_hi[expert])
+               & (expert < -(-el // 2)))
+        expected = torch.cat([ids[own], ids[~own]]).to(torch.int32)
+        assert torch.equal(ws.tile_order[r], expected), f"rank {r}: tile_order"
+
+
+@pytest.mark.parametrize("world,num_tokens,case,combine", [
+    (2, [21, 17], "random", "direct"),
+    (2, [21, 17], "skewed", "presum"),
+    (4, [9, 0, 13, 6], "random", "staged"),
+    (2, [10, 7], "rank_receives_nothing", "direct"),
+])
+def test_local_first_schedule_changes_no_bits(world, num_tokens, case, combine):
+    """``KernelConfig.local_first``: rows that stay on a rank are dispatched
+    first by every program and the tiles holding only those run first; the
+    others follow. Same outputs, bit for bit, as the default schedule (fused
+    and sequential), and correct (skewed routing, a rank with no tokens, a rank
+    that receives nothing, every combine)."""
+    allowed = [0, 1, 2, 3] if case == "rank_receives_nothing" else None
+    w = make_world(world, 8, 3, num_tokens, seed=31 + world, allowed=allowed,
+                   force=5 if case == "skewed" else None)
+    base = interpreter_config(combine=combine, num_programs=3)
+    ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+                             dtype=torch.float32, config=base)
+    outs = {}
+    for flag in (False, True):
+        outs[flag] = run_both(w, score_before=False, workspace=ws, config=base.replace(local_first=flag))
+        # Own-rows dispatch claims of the last (fused) call (one counter, row 0, serves the simulated world).
+        claimed = int(ws.control[0, CTL_OWN_DISPATCH_TASKS])
+        assert (claimed > 0) == flag, f"local_first={flag}: {claimed} own-rows dispatch claims"
+    assert_correct(w, *outs[True], score_before=False)
+    for schedule in (0, 1):
+        for r in range(world):
+            assert torch.equal(outs[False][schedule][r], outs[True][schedule][r]), f"rank {r}: local_first changed bits"
 
 
 def test_default_config_per_shape_choice():

@@ -30,7 +30,7 @@ def compile_all() -> None:
     anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32, i64_anchor=i64)
     a_ptrs = dict(**anchors, x_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
                   num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-                  w1_ptr=bf, w3_ptr=bf, h_ptr=bf, h13_ptr=bf, control_ptr=i64, arena_ptrs=i64)
+                  tile_order_ptr=i32, w1_ptr=bf, w3_ptr=bf, h_ptr=bf, h13_ptr=bf, control_ptr=i64, arena_ptrs=i64)
     b_ptrs = dict(**anchors, y_ptr=bf, h_ptr=bf, w2_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
                   scores_ptr=f32, num_tokens_ptr=i32, out_ptr=bf, control_ptr=i64, arena_ptrs=i64, dest_rank_ptr=i32)
     for score_before in (False, True):
@@ -68,12 +68,12 @@ def compile_all() -> None:
     assert any("warp_group_dot " in b and "async_tma_copy_global_to_local" in b for b in sm90_compile.loops(ttgir)), \
         "fc2 with tensor descriptors: the K-loop is not a pipelined TMA + wgmma loop"
     route = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32, tile_expert_ptr=i32,
-                 tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32)
+                 tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32, tile_order_ptr=i32)
     for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):
         build(exchange_counts_kernel, dict(**anchors, **route, counts_all_ptr=i64, control_ptr=i64, arena_ptrs=i64),
               dict(WORLD=2, NUM_EXPERTS=experts, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
                    BLOCK=1024, USE_TIMER=True, TOP_K=8, EP=experts, ELP=local_pow2, BM=128, ROUTE_BLOCK=route_block,
-                   SB=max(1, 8192 // experts), CB=256), num_warps=4)
+                   SB=max(1, 8192 // experts), CB=256, TILE_ORDER=experts != 8), num_warps=4)
         build(route_histogram_kernel, dict(indices_ptr=i64, num_tokens_ptr=i32, block_counts_ptr=i32),
               dict(NUM_EXPERTS=experts, EP=experts, TOP_K=8, BLOCK=route_block, TOKENS_FROM_HOST=True), num_warps=4)
         build(route_layout_kernel, dict(indices_ptr=i64, **route, dest_rank_ptr=i32, dest_slot_ptr=i32,

@@ -35,6 +35,7 @@ experts per token, ``E`` experts, ``El = E / W`` local experts):
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -391,15 +392,15 @@ def _exchange_counts(ws: Workspace, cfg: KernelConfig, *, publish: bool = True, 
     experts = triton.next_power_of_2(s.num_experts)
     common = (
         ws.block_counts, ws.block_counts.stride(0), ws.num_tokens, ws.counts_all, ws.route_tables, ws.tile_expert,
-        ws.tile_start, ws.tile_end, ws.num_tiles, ws.control, ws.arena_ptrs, ws.anchors[torch.int64], ws.anchors[torch.int32],
+        ws.tile_start, ws.tile_end, ws.num_tiles, ws.tile_order, ws.control, ws.arena_ptrs, ws.anchors[torch.int64], ws.anchors[torch.int32],
         ws.anchor_rank, ws.rank_base, off["counts"], off["count_flags"], off["tile_arrivals"], off["token_arrivals"],
-        off["tile_done"], _timeout(ws, cfg),
+        off["tile_done"], _timeout(ws, cfg), math.ceil(s.num_local_experts * cfg.local_first_experts),
     )
     meta = dict(
         WORLD=s.world_size, NUM_EXPERTS=s.num_experts, TILE_CAPACITY=s.tile_capacity,
         TOKEN_CAPACITY=s.token_capacity, BLOCK=1024, USE_TIMER=_use_timer(ws), num_warps=4,
         TOP_K=s.top_k, EP=experts, ELP=triton.next_power_of_2(s.num_local_experts), BM=s.block_m,
-        ROUTE_BLOCK=route_block(s.num_experts), SB=max(1, 8192 // experts), CB=256,
+        ROUTE_BLOCK=route_block(s.num_experts), SB=max(1, 8192 // experts), CB=256, TILE_ORDER=cfg.local_first,
     )
     grid = (ws.num_local_ranks,)
     if ws.num_local_ranks > 1:
@@ -426,11 +427,11 @@ def _launch(ws: Workspace, call: _Call, cfg: KernelConfig, score_before: bool, p
         dispatch_fc1_kernel[grid](
             call.x, call.x.stride(0), call.scores, call.dest_rank, call.dest_slot, call.dest_tile,
             call.dest_rank.stride(0), call.num_tokens, call.tile_expert, call.tile_start, call.tile_end,
-            call.tile_expert.stride(0), call.num_tiles, call.w1, call.w3, call.w1.stride(0),
+            call.tile_expert.stride(0), call.num_tiles, ws.tile_order, call.w1, call.w3, call.w1.stride(0),
             ws.h, ws.h.stride(0), h13, h13.stride(0), ws.control, ws.arena_ptrs, act, i32, f32, ws.anchor_rank,
             off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"], off["token_slots"],
             off["token_tiles"], ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
-            do_dispatch, do_fc1, dispatch_programs, cfg.debug_silent_rank, timeout,
+            do_dispatch, do_fc1, dispatch_programs, cfg.debug_silent_rank, timeout, int(cfg.local_first),
             NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=cfg.block_n_fc1, BK=cfg.block_k, GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(s.top_k),

@@ -371,8 +371,8 @@ def _rank_arrays(ws: Workspace, grad_out, x, top_scores, w1, w2, w3) -> dict:
 #   the weight gradients' dense slot rows (each task one column chunk of its
 #   tile's x and dOut rows), instead of the separate gather launch after BB:
 #   the copy then overlaps the other programs' GEMM work. The same values,
-#   so the same bits. BA is then launched with a register cap
-#   (``ba_max_registers``) so that ``dh_programs_per_sm`` programs still fit.
+#   so the same bits. (BA with saved h1 | h3 runs under a register cap,
+#   ``ba_max_registers``, so that ``dh_programs_per_sm`` programs fit.)
 #   Measured on one H200 (simulated EP = 2 world, both ranks' work in one
 #   launch; docs/performance.md, backward run 14): sequential kernels
 #   qwen3-like BA 1.13 -> 1.38-1.40 ms and the 0.50 ms gather gone; fused
@@ -438,11 +438,12 @@ def bb_reduce_dim(cfg: KernelConfig, score_before: bool) -> int:
     return min(cfg.reduce_block_dim, 256) if score_before else cfg.reduce_block_dim
 
 
-def ba_max_registers(blocks: dict, copy_rows: bool) -> int | None:
-    """Register cap of megakernel BA with saved h1 | h3: none, unless its dH
-    tasks also copy slot rows (``dh_copies_rows``), which would take ptxas past
-    what ``dh_programs_per_sm`` programs of ``warps`` warps may use."""
-    if not copy_rows or blocks["dh_programs_per_sm"] <= 1:
+def ba_max_registers(blocks: dict, saved_h13: bool) -> int | None:
+    """Register cap of megakernel BA: with saved h1 | h3 its dH tile is a plain
+    GEMM tile that fits ``dh_programs_per_sm`` programs of ``warps`` warps per
+    SM in 128 registers, which ptxas does not aim for by itself (the dispatch
+    loops and the slot-row copy, ``dh_copies_rows``, took it to 148-172)."""
+    if not saved_h13 or blocks["dh_programs_per_sm"] <= 1:
         return None
     return 65536 // (32 * blocks["warps"] * blocks["dh_programs_per_sm"]) // 8 * 8
 
@@ -564,20 +565,20 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
     grid_ba = (grid[0] * (blocks["dh_programs_per_sm"] if h13 is not None and ws.device.type == "cuda" else 1),)
     copy_rows = h13 is not None and bool(blocks["dh_copies_rows"])
     ba_opts = dict(opts)
-    if ws.device.type == "cuda" and ba_max_registers(blocks, copy_rows) is not None:
-        ba_opts["maxnreg"] = ba_max_registers(blocks, copy_rows)
+    if ws.device.type == "cuda" and ba_max_registers(blocks, h13 is not None) is not None:
+        ba_opts["maxnreg"] = ba_max_registers(blocks, h13 is not None)
 
     def kernel_ba(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
         dispatch_grad_hidden_kernel[grid_ba](
             a["x"], a["g"], a["x"].stride(0), a["scores"], a["dest_rank"], a["dest_slot"], a["dest_tile"],
             a["dest_rank"].stride(0), a["num_tokens"], a["tile_expert"], a["tile_start"], a["tile_end"],
-            a["tile_expert"].stride(0), a["num_tiles"], a["w1"], a["w2"], a["w3"], a["w1"].stride(0),
+            a["tile_expert"].stride(0), a["num_tiles"], ws.tile_order, a["w1"], a["w2"], a["w3"], a["w1"].stride(0),
             h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), h if h13 is None else h13,
             h.stride(0) if h13 is None else h13.stride(0), g32, bws.slot_rows, bws.slot_rows.stride(0),
             ws.control, ws.arena_ptrs, act, i32,
             f32, ws.anchor_rank, off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
             ws.rank_base, s.token_capacity, s.slot_capacity, s.tile_capacity,
-            do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout,
+            do_dispatch, do_tiles, dispatch_programs, cfg.debug_silent_rank, timeout, int(cfg.local_first),
             NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
             SCORE_BEFORE=score_before, BM=cfg.block_m, BN=blocks["dh"], BK=blocks["bk"], GROUP_M=cfg.group_m,
             BT=cfg.comm_block_tokens, BD=cfg.comm_block_dim, KP=triton.next_power_of_2(top_k),
@@ -615,8 +616,11 @@ def _launch(bws: BackwardWorkspace, a: dict, cfg: KernelConfig, score_before: bo
             # Every program dispatches first: a dH tile waits for rows from every
             # source, so tiles started early only spin (measured: 3.7 ms for BA with
             # 16 dispatching programs against 1.8 ms for the two sequential
-            # launches, qwen3-like on 2 x H200).
-            kernel_ba(1, 1, grid_ba[0])
+            # launches, qwen3-like on 2 x H200). With local_first every program
+            # dispatches the rows that stay on its rank, then the first
+            # num_comm_sms send the others while the rest start on the tiles
+            # holding only own rows.
+            kernel_ba(1, 1, min(cfg.num_comm_sms, grid_ba[0]) if cfg.local_first else grid_ba[0])
         elif phase == "dispatch":
             kernel_ba(1, 0, grid_ba[0])
         elif phase == "dh":

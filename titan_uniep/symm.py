@@ -301,6 +301,7 @@ class Workspace:
         self.tile_start = torch.zeros(n, c, dtype=torch.int32, device=dev)
         self.tile_end = torch.zeros(n, c, dtype=torch.int32, device=dev)
         self.num_tiles = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.tile_order = torch.zeros(n, c, dtype=torch.int32, device=dev)  # own-rows tiles first (local_first)
         self.control = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, device=dev)
         pinned = dev.type == "cuda"
         self._error_host = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, pin_memory=pinned)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from titan_uniep.fused import moe_forward
 from titan_uniep.fused_backward import BackwardWorkspace, moe_backward
+from titan_uniep.kernels import default_config
 from titan_uniep.symm import Workspace
 from titan_uniep.reference_math import float64_moe_reference
 
@@ -55,11 +56,13 @@ def main() -> None:
         moe_forward(xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
                     w3[mine].contiguous(), workspace=fwd_ws, schedule="fused", score_before_experts=score_before,
                     saved_h13=h13, error_check="sync")
-        for schedule in ("sequential", "fused"):
+        for schedule in ("sequential", "fused", "local_first"):
+            # local_first: BA dispatches the rows that stay on this rank first (KernelConfig.local_first).
             outs[f"saved_{schedule}"] = moe_backward(
                 gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
-                w3[mine].contiguous(), workspace=ws, schedule=schedule, score_before_experts=score_before,
-                saved_h13=h13, error_check="sync")
+                w3[mine].contiguous(), workspace=ws, schedule=schedule.replace("local_first", "fused"),
+                score_before_experts=score_before, saved_h13=h13, error_check="sync",
+                config=default_config(world).replace(local_first=schedule == "local_first"))
         # The fused backward (route kernels, megakernels, lazy error poll) never syncs.
         args = (gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
                 w3[mine].contiguous())
@@ -91,9 +94,10 @@ def main() -> None:
                 ref_s = s.grad if s.grad is not None else torch.zeros_like(s)
         refs = [ref_x, ref_s] + [leaf.grad[mine] for leaf in leaves]
         for i, name in enumerate(NAMES):
-            seq, fus, again, s_seq, s_fus = (outs[k][i] for k in ("sequential", "fused", "fused_again",
-                                                                   "saved_sequential", "saved_fused"))
-            ok_bits = torch.equal(seq, fus) and torch.equal(fus, again) and torch.equal(s_seq, s_fus)
+            seq, fus, again, s_seq, s_fus, s_lf = (outs[k][i] for k in (
+                "sequential", "fused", "fused_again", "saved_sequential", "saved_fused", "saved_local_first"))
+            ok_bits = (torch.equal(seq, fus) and torch.equal(fus, again) and torch.equal(s_seq, s_fus)
+                       and torch.equal(s_seq, s_lf))
 
             def rel(a):
                 return ((a.double() - refs[i]).abs().max().item() / max(refs[i].abs().max().item(), 1e-6)

@@ -26,8 +26,10 @@ from titan_uniep.symm import Workspace
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 16, 4, 1000
 # Combine modes checked in part 1 (UNIEP_EP_COMBINES="direct,presum" keeps a short device run short).
-_ALL_COMBINES = {"direct": ("direct", False), "deferred": ("direct", True), "staged": ("staged", False),
-                 "presum": ("presum", False)}
+# (combine, defer_release, local_first)
+_ALL_COMBINES = {"direct": ("direct", False, False), "deferred": ("direct", True, False),
+                 "staged": ("staged", False, False), "presum": ("presum", False, False),
+                 "local_first": ("direct", False, True)}
 COMBINES = [_ALL_COMBINES[c] for c in os.environ.get("UNIEP_EP_COMBINES", ",".join(_ALL_COMBINES)).split(",")]
 
 
@@ -91,20 +93,22 @@ def main():
         x, scores, idx = routed_inputs(seed, num_tokens, dev, force=force)
         for score_before in (False, True):
             outs = {}
-            for combine, defer in COMBINES:
+            for combine, defer, local_first in COMBINES:
                 for schedule in ("sequential", "fused"):
                     ws.poison()
-                    outs[schedule, combine, defer] = moe_forward(
+                    outs[schedule, combine, defer, local_first] = moe_forward(
                         x, scores, idx, *mine, workspace=ws, schedule=schedule, score_before_experts=score_before,
-                        config=direct.replace(combine=combine, defer_release=defer), error_check="sync",
+                        config=direct.replace(combine=combine, defer_release=defer, local_first=local_first),
+                        error_check="sync",
                     )
             # The presum combine rounds differently (fp32 partial per expert rank): its own bitwise class.
-            for ref in [r for r in (("sequential", "direct", False), ("sequential", "presum", False)) if r in outs]:
+            refs = (("sequential", "direct", False, False), ("sequential", "presum", False, False))
+            for ref in [r for r in refs if r in outs]:
                 for key, out in outs.items():
                     if (key[1] == "presum") == (ref[1] == "presum") and not torch.equal(outs[ref], out):
                         raise AssertionError(f"rank {rank} {name}: {key} differs from {ref}")
                 check_close(outs[ref], x, scores, idx, (w1, w2, w3), score_before, name)
-        log(f"PASS real EP {name}: fused == sequential bitwise (direct, deferred-release, staged; presum), "
+        log(f"PASS real EP {name}: fused == sequential bitwise (direct, deferred-release, staged, local-first; presum), "
             "close to float64")
 
     def fused_forward(x, scores, idx):

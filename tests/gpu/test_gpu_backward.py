@@ -208,3 +208,39 @@ def test_gpu_backward_options_change_no_bits(world, score_before, option):
     for r in range(world):
         for name, a, b in zip(NAMES, off[r], on[r]):
             assert torch.equal(a, b), f"rank {r} {name}: {option} changed a value"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_local_first_changes_no_bits(world):
+    """``KernelConfig.local_first`` (megakernels A and BA: rows that stay on a
+    rank dispatched first by every program, tiles holding only those first,
+    16 programs sending the rest while the others compute): forward output and
+    every gradient equal the default schedule's bit for bit, both schedules,
+    with all simulated ranks' programs co-resident in one grid."""
+    from titan_uniep.kernels import default_config
+
+    w = make_world(world, 16, 4, TOKENS[world], seed=50 + world)
+    num_tokens = max(len(x) for x in w["xs"])
+    fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16, top_k=4,
+                              dtype=torch.bfloat16, device="cuda")
+    bws = BackwardWorkspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16,
+                                      top_k=4, dtype=torch.bfloat16, device="cuda")
+    h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    outs, grads = {}, {}
+    for flag in (False, True):
+        cfg = default_config(world).replace(num_comm_sms=16, local_first=flag)
+        for schedule in ("sequential", "fused"):
+            fwd.poison()
+            outs[flag, schedule] = [o.clone() for o in simulated_moe_forward(
+                w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+                score_before_experts=False, workspace=fwd, config=cfg, saved_h13=h13)]
+            bws.poison()
+            grads[flag, schedule] = [[g.clone() for g in rank] for rank in simulated_moe_backward(
+                w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
+                score_before_experts=False, workspace=bws, poison_outputs=True, saved_h13=h13, config=cfg)]
+    for r in range(world):
+        for key in outs:
+            assert torch.equal(outs[key][r], outs[False, "sequential"][r]), f"forward rank {r} {key}"
+            for name, a, b in zip(NAMES, grads[key][r], grads[False, "sequential"][r]):
+                assert torch.equal(a, b), f"backward rank {r} {name} {key}"
+                assert not torch.isnan(a).any(), f"backward rank {r} {name} {key}: NaN"

@@ -58,7 +58,7 @@ Each call starts with the forward's route kernels on the backward workspace
 (``fused._route``: histogram, counts exchange, layout): the same
 deterministic slots as the forward, and the exchange zeroes this call's
 arrival and task counters (the backward's four counters below are among
-the first ``NUM_TASK_COUNTERS`` control words, which it zeroes).
+the control words ``sync.TASK_COUNTER_WORDS``, which it zeroes).
 
 Sequential schedule: the same kernels, one task kind per launch. Fused: BA
 with dispatch and tiles, BB with tiles and reduce. Same binaries, same tiles,
@@ -70,14 +70,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dispatch_fc1 import grouped_tile_task
+from .dispatch_fc1 import dispatch_part, grouped_tile_task
 from .fc2_combine import matrix_descriptor, release_or_defer, release_token_arrivals
 from .route import used_slots
 from .wgrad import copy_slot_rows
 from .sync import (
     BAD_SLOT,
     CONTROL_WORDS,
-    NUM_TASK_COUNTERS,
+    CTL_OWN_DISPATCH_TASKS,
+    TASK_COUNTER_WORDS,
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
     arena_ptr,
@@ -89,15 +90,16 @@ from .sync import (
 )
 
 # Task counters of the backward workspace's control words (the counts exchange
-# zeroes the first NUM_TASK_COUNTERS words every call).
+# zeroes every word of sync.TASK_COUNTER_WORDS each call).
 CTL_BWD_DISPATCH = 0
 CTL_BWD_DH = 1
 CTL_BWD_DA = 2
 CTL_BWD_REDUCE = 3
-NUM_BWD_COUNTERS = 4
-assert NUM_BWD_COUNTERS <= NUM_TASK_COUNTERS
+CTL_BWD_OWN_DISPATCH = CTL_OWN_DISPATCH_TASKS
+assert {CTL_BWD_DISPATCH, CTL_BWD_DH, CTL_BWD_DA, CTL_BWD_REDUCE, CTL_BWD_OWN_DISPATCH} <= set(TASK_COUNTER_WORDS)
 
 _CTL_BWD_DISPATCH = tl.constexpr(CTL_BWD_DISPATCH)
+_CTL_BWD_OWN_DISPATCH = tl.constexpr(CTL_BWD_OWN_DISPATCH)
 _CTL_BWD_DH = tl.constexpr(CTL_BWD_DH)
 _CTL_BWD_DA = tl.constexpr(CTL_BWD_DA)
 _CTL_BWD_REDUCE = tl.constexpr(CTL_BWD_REDUCE)
@@ -113,11 +115,13 @@ def dispatch_grad_task(
     x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
     arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
     off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
-    token_capacity, slot_capacity, tile_capacity, silent_rank,
+    token_capacity, slot_capacity, tile_capacity, silent_rank, part,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr,
 ):
-    """Send ``BT`` tokens' ``[x | dOut]`` rows once per destination rank, then signal their copies' tiles."""
+    """Send ``BT`` tokens' ``[x | dOut]`` rows once per destination rank, then
+    signal their copies' tiles (for the destinations ``part`` selects:
+    ``dispatch_fc1.dispatch_part``)."""
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
@@ -130,6 +134,7 @@ def dispatch_grad_task(
         route = local * route_rank_stride + offs_t[:, None] * TOP_K + offs_k[None, :]
         dest = tl.load(dest_rank_ptr + route, mask=mask_tk, other=-1)
         token_rows = rank.to(tl.int64) * token_capacity + offs_t
+        mask_tk = mask_tk & dispatch_part(dest, rank, part)
         src = local.to(tl.int64) * x_rank_stride + offs_t[:, None].to(tl.int64) * DIM
         for d0 in range(0, DIM, BD):
             offs_d = d0 + tl.arange(0, BD)
@@ -138,7 +143,7 @@ def dispatch_grad_task(
             x_rows = tl.load(x_ptr + src + offs_d[None, :], mask=mask)
             g_rows = tl.load(g_ptr + src + offs_d[None, :], mask=mask)
             for peer in range(WORLD):
-                goes_there = tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0
+                goes_there = (tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0) & dispatch_part(peer, rank, part)
                 tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, peer, off_tokens)
                 dst = tokens + token_rows[:, None] * (2 * DIM) + offs_d[None, :]
                 there = goes_there[:, None] & mask_d[None, :]
@@ -327,7 +332,7 @@ def grad_hidden_tile(
 
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_tiles", "num_dispatch_programs",
-                               "silent_rank", "timeout"])
+                               "silent_rank", "timeout", "local_first"])
 def dispatch_grad_hidden_kernel(
     x_ptr,  # (L, T, D) saved forward input
     g_ptr,  # (L, T, D) output gradient
@@ -343,6 +348,7 @@ def dispatch_grad_hidden_kernel(
     tile_end_ptr,
     tile_rank_stride,
     num_tiles_ptr,  # (L,) int32
+    tile_order_ptr,  # (L, C) int32: tile ids, own-rows tiles first (local_first)
     w1_ptr,  # (L, El, H, D)
     w2_ptr,  # (L, El, D, H)
     w3_ptr,  # (L, El, H, D)
@@ -377,6 +383,7 @@ def dispatch_grad_hidden_kernel(
     num_dispatch_programs,
     silent_rank,
     timeout,
+    local_first,  # KernelConfig.local_first (as megakernel A)
     NUM_LOCAL: tl.constexpr,
     WORLD: tl.constexpr,
     DIM: tl.constexpr,
@@ -398,23 +405,36 @@ def dispatch_grad_hidden_kernel(
     BDC: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
-    if (do_dispatch != 0) & (pid < num_dispatch_programs):
+    if do_dispatch != 0:
         max_tokens = 0
         for local in range(NUM_LOCAL):
             max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
         tasks_per_rank = tl.cdiv(max_tokens, BT)
         total = NUM_LOCAL * tasks_per_rank
-        task = next_task(control_ptr, _CTL_BWD_DISPATCH)
-        while task < total:
-            dispatch_grad_task(
-                task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
-                x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
-                route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-                off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
-                token_capacity, slot_capacity, tile_capacity, silent_rank,
-                WORLD, DIM, TOP_K, BT, BD, KP,
-            )
+        if local_first != 0:  # as megakernel A: own rows by every program first, then the others
+            task = next_task(control_ptr, _CTL_BWD_OWN_DISPATCH)
+            while task < total:
+                dispatch_grad_task(
+                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+                    x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
+                    route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+                    token_capacity, slot_capacity, tile_capacity, silent_rank, 1,
+                    WORLD, DIM, TOP_K, BT, BD, KP,
+                )
+                task = next_task(control_ptr, _CTL_BWD_OWN_DISPATCH)
+        if pid < num_dispatch_programs:
             task = next_task(control_ptr, _CTL_BWD_DISPATCH)
+            while task < total:
+                dispatch_grad_task(
+                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+                    x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
+                    route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+                    token_capacity, slot_capacity, tile_capacity, silent_rank, 2 * (local_first != 0).to(tl.int32),
+                    WORLD, DIM, TOP_K, BT, BD, KP,
+                )
+                task = next_task(control_ptr, _CTL_BWD_DISPATCH)
 
     if do_tiles != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)
@@ -431,6 +451,8 @@ def dispatch_grad_hidden_kernel(
             rank_task = task // NUM_LOCAL
             if (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0):
                 tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
+                if local_first != 0:
+                    tile = tl.load(tile_order_ptr + local * tile_rank_stride + tile)
                 expert = tl.load(tile_expert_ptr + local * tile_rank_stride + tile)
                 m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
                 m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)

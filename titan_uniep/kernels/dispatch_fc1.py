@@ -41,6 +41,7 @@ from .sync import (
     CONTROL_WORDS,
     CTL_DISPATCH_TASKS,
     CTL_FC1_TASKS,
+    CTL_OWN_DISPATCH_TASKS,
     BAD_SLOT,
     WAIT_TILE_ROWS,
     arena_ptr,
@@ -52,6 +53,7 @@ from .sync import (
 
 _CTL_DISPATCH_TASKS = tl.constexpr(CTL_DISPATCH_TASKS)
 _CTL_FC1_TASKS = tl.constexpr(CTL_FC1_TASKS)
+_CTL_OWN_DISPATCH_TASKS = tl.constexpr(CTL_OWN_DISPATCH_TASKS)
 _BAD_SLOT = tl.constexpr(BAD_SLOT)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
@@ -69,17 +71,27 @@ def grouped_tile_task(task, num_tiles, num_col_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def dispatch_part(dest, rank, part):
+    """Which copies a dispatch task handles: all (``part`` 0), those that stay
+    on ``rank`` itself (1) or those that go to other ranks (2)."""
+    own = dest == rank
+    which = rank * 0 + part  # a tensor, whether ``part`` is a constant or not
+    return (which == 0) | ((which == 1) & own) | ((which == 2) & (own == 0))
+
+
+@triton.jit
 def store_rows_to_peers(
-    x_rows, dest, act_anchor, arena_ptrs, anchor_rank, off_tokens, token_rows, mask_t,
+    x_rows, dest, act_anchor, arena_ptrs, anchor_rank, off_tokens, token_rows, mask_t, rank, part,
     WORLD: tl.constexpr, DIM: tl.constexpr, BD: tl.constexpr,
 ):
-    """Copy a block of token rows once to each rank that owns one of its experts."""
+    """Copy a block of token rows once to each rank that owns one of its
+    experts (of the ranks ``dispatch_part`` selects)."""
     for d0 in range(0, DIM, BD):
         offs_d = d0 + tl.arange(0, BD)
         mask_d = offs_d < DIM
         rows = tl.load(x_rows + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :])
         for peer in range(WORLD):
-            goes_there = tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0
+            goes_there = (tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0) & dispatch_part(peer, rank, part)
             tokens = arena_ptr(act_anchor, arena_ptrs, anchor_rank, peer, off_tokens)
             tl.store(
                 tokens + token_rows[:, None] * DIM + offs_d[None, :],
@@ -94,10 +106,13 @@ def dispatch_task(
     x_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
     arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
     off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals, off_token_slots, off_token_tiles,
-    token_capacity, slot_capacity, tile_capacity, silent_rank,
+    token_capacity, slot_capacity, tile_capacity, silent_rank, part,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr,
     PRESUM: tl.constexpr,
 ):
+    """``comm_block_tokens`` tokens of one source rank: their rows, slot
+    entries and tile arrivals, for the destinations ``part`` selects
+    (``dispatch_part``)."""
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
@@ -111,8 +126,10 @@ def dispatch_task(
         dest = tl.load(dest_rank_ptr + route, mask=mask_tk, other=-1)
         token_rows = rank.to(tl.int64) * token_capacity + offs_t
         x_rows = x_ptr + local.to(tl.int64) * x_rank_stride + offs_t[:, None].to(tl.int64) * DIM
-        store_rows_to_peers(x_rows, dest, act_anchor, arena_ptrs, anchor_rank, off_tokens, token_rows, mask_t,
-                            WORLD, DIM, BD)
+        store_rows_to_peers(x_rows, dest, act_anchor, arena_ptrs, anchor_rank, off_tokens, token_rows, mask_t, rank,
+                            part, WORLD, DIM, BD)
+        every_copy = mask_tk
+        mask_tk = mask_tk & dispatch_part(dest, rank, part)
 
         slot = tl.load(dest_slot_ptr + route, mask=mask_tk, other=0)
         tile = tl.load(dest_tile_ptr + route, mask=mask_tk, other=0)
@@ -135,7 +152,7 @@ def dispatch_task(
             for p in range(WORLD):
                 here = dest == p
                 goes_there = tl.max(tl.where(here, 1, 0), axis=1) > 0
-                entry = mask_tk & goes_there[:, None]
+                entry = every_copy & goes_there[:, None] & dispatch_part(p, rank, part)
                 token_slots = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, p, off_token_slots)
                 tl.store(token_slots + copy_id, tl.where(here & fits, slot, -1), mask=entry)
                 token_tiles = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, p, off_token_tiles)
@@ -209,7 +226,8 @@ def fc1_tile(
 
 # Runtime scalars that differ between launches of one call (schedule phases,
 # ranks) must not be specialised: both schedules then run one compiled binary.
-@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_fc1", "num_dispatch_programs", "silent_rank", "timeout"])
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_fc1", "num_dispatch_programs", "silent_rank",
+                               "timeout", "local_first"])
 def dispatch_fc1_kernel(
     x_ptr,  # (L, T, D) activations
     x_rank_stride,
@@ -224,6 +242,7 @@ def dispatch_fc1_kernel(
     tile_end_ptr,  # (L, C) int32
     tile_rank_stride,
     num_tiles_ptr,  # (L,) int32
+    tile_order_ptr,  # (L, C) int32: tile ids, own-rows tiles first (local_first)
     w1_ptr,  # (L, El, H, D)
     w3_ptr,  # (L, El, H, D)
     weight_rank_stride,
@@ -252,6 +271,7 @@ def dispatch_fc1_kernel(
     num_dispatch_programs,
     silent_rank,
     timeout,
+    local_first,  # KernelConfig.local_first: own rows dispatched first by every program, tiles in tile_order
     NUM_LOCAL: tl.constexpr,
     WORLD: tl.constexpr,
     DIM: tl.constexpr,
@@ -273,23 +293,39 @@ def dispatch_fc1_kernel(
     SAVE_H13: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    if (do_dispatch != 0) & (pid < num_dispatch_programs):
+    if do_dispatch != 0:
         max_tokens = 0
         for local in range(NUM_LOCAL):
             max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
         tasks_per_rank = tl.cdiv(max_tokens, BT)
         total = NUM_LOCAL * tasks_per_rank
-        task = next_task(control_ptr, _CTL_DISPATCH_TASKS)
-        while task < total:
-            dispatch_task(
-                task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
-                x_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
-                arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-                off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals, off_token_slots, off_token_tiles,
-                token_capacity, slot_capacity, tile_capacity, silent_rank,
-                WORLD, DIM, TOP_K, BT, BD, KP, PRESUM,
-            )
+        if local_first != 0:
+            # Every program first copies the rows that stay on this rank (no NVLink),
+            # so the tiles holding only those (first in tile_order) can start while the
+            # first num_dispatch_programs programs send the others.
+            task = next_task(control_ptr, _CTL_OWN_DISPATCH_TASKS)
+            while task < total:
+                dispatch_task(
+                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+                    x_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
+                    arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals, off_token_slots, off_token_tiles,
+                    token_capacity, slot_capacity, tile_capacity, silent_rank, 1,
+                    WORLD, DIM, TOP_K, BT, BD, KP, PRESUM,
+                )
+                task = next_task(control_ptr, _CTL_OWN_DISPATCH_TASKS)
+        if pid < num_dispatch_programs:
             task = next_task(control_ptr, _CTL_DISPATCH_TASKS)
+            while task < total:
+                dispatch_task(
+                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+                    x_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr, route_rank_stride,
+                    arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals, off_token_slots, off_token_tiles,
+                    token_capacity, slot_capacity, tile_capacity, silent_rank, 2 * (local_first != 0).to(tl.int32),
+                    WORLD, DIM, TOP_K, BT, BD, KP, PRESUM,
+                )
+                task = next_task(control_ptr, _CTL_DISPATCH_TASKS)
 
     if do_fc1 != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)
@@ -307,6 +343,8 @@ def dispatch_fc1_kernel(
             rank_task = task // NUM_LOCAL
             if (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0):
                 tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
+                if local_first != 0:
+                    tile = tl.load(tile_order_ptr + local * tile_rank_stride + tile)
                 expert = tl.load(tile_expert_ptr + local * tile_rank_stride + tile)
                 m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
                 m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)

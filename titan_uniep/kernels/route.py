@@ -146,6 +146,8 @@ def write_route_tables(
     tile_start_ptr,  # (C,) int32 out
     tile_end_ptr,  # (C,) int32 out
     num_tiles_ptr,  # (1,) int32 out
+    tile_order_ptr,  # (C,) int32 out: tile ids, those holding only this rank's own rows first
+    own_experts,  # tile_order: only the first own_experts local experts' own-rows tiles go first
     WORLD: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     EP: tl.constexpr,
@@ -153,9 +155,15 @@ def write_route_tables(
     BM: tl.constexpr,
     TILE_CAPACITY: tl.constexpr,
     CB: tl.constexpr,
+    TILE_ORDER: tl.constexpr,
 ):
     """The per-expert tables and this rank's receive tiles (see the module
-    docstring), as ``layout.compute_layout`` / ``compute_tiles`` define them."""
+    docstring), as ``layout.compute_layout`` / ``compute_tiles`` define them,
+    and (``TILE_ORDER``) ``tile_order``: a permutation of the tile ids that puts
+    first the tiles of the first ``own_experts`` local experts whose rows all
+    come from this rank itself, then the others, each in id order, for
+    ``KernelConfig.local_first`` (a schedule choice: where rows sit is
+    unchanged)."""
     NUM_LOCAL: tl.constexpr = NUM_EXPERTS // WORLD
     experts = tl.arange(0, EP)
     mask_e = experts < NUM_EXPERTS
@@ -211,6 +219,56 @@ def write_route_tables(
         tl.store(tile_expert_ptr + tile, tl.where(used, expert, 0), mask=in_range)
         tl.store(tile_start_ptr + tile, tl.where(used, start, 0), mask=in_range)
         tl.store(tile_end_ptr + tile, tl.where(used, end, 0), mask=in_range)
+    if TILE_ORDER:
+        _write_tile_order(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                          tile_order_ptr, rank, mine, own_experts, NUM_EXPERTS, TILE_CAPACITY, CB)
+
+
+@triton.jit
+def _write_tile_order(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                      tile_order_ptr, rank, mine, own_experts, NUM_EXPERTS: tl.constexpr,
+                      TILE_CAPACITY: tl.constexpr, CB: tl.constexpr):
+    """``tile_order``: an exclusive scan of "own rows only" over the tile ids
+    (two passes: the count of such tiles, then every tile's position)."""
+    tl.debug_barrier()  # the tile arrays are written
+    own_tiles = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, TILE_CAPACITY, CB):
+        tile = c0 + tl.arange(0, CB)
+        own_tiles += tl.sum(_own_rows_only(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                           num_tiles_ptr, tile, rank, mine, own_experts, NUM_EXPERTS,
+                                           TILE_CAPACITY).to(tl.int32))
+    own_before = tl.zeros([], dtype=tl.int32)
+    other_before = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, TILE_CAPACITY, CB):
+        tile = c0 + tl.arange(0, CB)
+        in_range = tile < TILE_CAPACITY
+        own = _own_rows_only(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+                             tile, rank, mine, own_experts, NUM_EXPERTS, TILE_CAPACITY).to(tl.int32)
+        other = tl.where(in_range, 1 - own, 0)
+        position = tl.where(own == 1, own_before + tl.cumsum(own, axis=0) - own,
+                            own_tiles + other_before + tl.cumsum(other, axis=0) - other)
+        tl.store(tile_order_ptr + position, tile, mask=in_range)
+        own_before += tl.sum(own, axis=0)
+        other_before += tl.sum(other, axis=0)
+
+
+@triton.jit
+def _own_rows_only(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr, tile, rank,
+                   mine, own_experts, NUM_EXPERTS: tl.constexpr, TILE_CAPACITY: tl.constexpr):
+    """Whether each tile in ``tile`` is in use, of one of the first
+    ``own_experts`` local experts, and all its rows come from ``rank`` itself
+    (inside an expert, rows are ordered by source rank: this rank's own are
+    ``[expert_base + src_prefix, + counts[rank, e])``)."""
+    in_range = tile < TILE_CAPACITY
+    local_expert = tl.load(tile_expert_ptr + tile, mask=in_range, other=0)
+    used = in_range & (tile < tl.load(num_tiles_ptr)) & (local_expert < own_experts)
+    expert = mine + local_expert
+    own_first = (tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + expert, mask=used, other=0)
+                 + tl.load(tables + _ROW_SRC_PREFIX * NUM_EXPERTS + expert, mask=used, other=0))
+    own_rows = tl.load(counts_table + rank * NUM_EXPERTS + expert, mask=used, other=0, cache_modifier=".cg")
+    start = tl.load(tile_start_ptr + tile, mask=used, other=0)
+    end = tl.load(tile_end_ptr + tile, mask=used, other=0)
+    return used & (start >= own_first) & (end <= own_first + own_rows.to(tl.int32))
 
 
 @triton.jit

@@ -32,16 +32,17 @@ from .route import ROUTE_TABLE_ROWS, scan_block_counts, write_route_tables
 _ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
 
 CONTROL_WORDS = 16
-# Task counters (zeroed by the exchange at the start of every call).
+# Task counters: words 0-7 but the epoch (zeroed by the exchange at the start of every call).
 CTL_DISPATCH_TASKS = 0
 CTL_FC1_TASKS = 1
 CTL_FC2_TASKS = 2
 CTL_REDUCE_TASKS = 3
 CTL_SEND_TASKS = 4
-NUM_TASK_COUNTERS = 5
 CTL_EPOCH = 5
+CTL_OWN_DISPATCH_TASKS = 6  # dispatch of rows to this rank itself (KernelConfig.local_first)
 # Error record: flag, rank, task, what, index, expected, seen, epoch.
 CTL_ERROR = 8
+TASK_COUNTER_WORDS = tuple(w for w in range(CTL_ERROR) if w != CTL_EPOCH)
 ERROR_FIELDS = ("flag", "rank", "task", "what", "index", "expected", "seen", "epoch")
 
 # What a failed wait was waiting for (the record's ``what``).
@@ -54,7 +55,6 @@ WAIT_TILE_DONE = 5  # index: fc2 tile whose output a combine-send task waited fo
 _CTL_EPOCH = tl.constexpr(CTL_EPOCH)
 _CTL_ERROR = tl.constexpr(CTL_ERROR)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
-_NUM_TASK_COUNTERS = tl.constexpr(NUM_TASK_COUNTERS)
 _WAIT_COUNTS_FLAG = tl.constexpr(WAIT_COUNTS_FLAG)
 
 
@@ -154,7 +154,7 @@ def next_task(control_row0, which):
     return tl.atomic_add(control_row0 + which, 1, sem="relaxed").to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout"])
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout", "own_experts"])
 def exchange_counts_kernel(
     block_counts_ptr,  # (L, NB, E) int32: per-block histograms in, exclusive prefixes out (kernels.route)
     block_rank_stride,
@@ -165,6 +165,7 @@ def exchange_counts_kernel(
     tile_start_ptr,  # (L, C) int32 out
     tile_end_ptr,  # (L, C) int32 out
     num_tiles_ptr,  # (L,) int32 out
+    tile_order_ptr,  # (L, C) int32 out
     control_ptr,  # (L, CONTROL_WORDS) int64
     arena_ptrs,  # (W,) int64: every rank's arena base address
     i64_anchor,  # the arena of anchor_rank, as int64
@@ -177,6 +178,7 @@ def exchange_counts_kernel(
     off_token_arrivals,  # element offset (int32) of (T_cap,)
     off_tile_done,  # element offset (int32) of (C,)
     timeout,
+    own_experts,  # tile_order (TILE_ORDER): local experts whose own-rows tiles go first
     WORLD: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     TILE_CAPACITY: tl.constexpr,
@@ -192,6 +194,7 @@ def exchange_counts_kernel(
     ROUTE_BLOCK: tl.constexpr,  # copies per block of block_counts
     SB: tl.constexpr,  # blocks per step of the scan
     CB: tl.constexpr,  # tiles per step of the tile table
+    TILE_ORDER: tl.constexpr = False,  # also write tile_order (KernelConfig.local_first)
 ):
     """One program per local rank.
 
@@ -227,7 +230,7 @@ def exchange_counts_kernel(
         tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done)
         for i in range(0, TILE_CAPACITY, BLOCK):
             tl.store(tile_done + i + offs, 0, mask=i + offs < TILE_CAPACITY)
-        tl.store(control + offs, 0, mask=offs < _NUM_TASK_COUNTERS)
+        tl.store(control + offs, 0, mask=(offs < _CTL_ERROR) & (offs != _CTL_EPOCH))  # every task counter
         epoch = tl.load(control + _CTL_EPOCH) + 1
         tl.store(control + _CTL_EPOCH, epoch)
         parity = epoch % 2
@@ -259,6 +262,6 @@ def exchange_counts_kernel(
         write_route_tables(
             table, rank, route_tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS),
             tile_expert_ptr + local * TILE_CAPACITY, tile_start_ptr + local * TILE_CAPACITY,
-            tile_end_ptr + local * TILE_CAPACITY, num_tiles_ptr + local,
-            WORLD, NUM_EXPERTS, EP, ELP, BM, TILE_CAPACITY, CB,
+            tile_end_ptr + local * TILE_CAPACITY, num_tiles_ptr + local, tile_order_ptr + local * TILE_CAPACITY,
+            own_experts, WORLD, NUM_EXPERTS, EP, ELP, BM, TILE_CAPACITY, CB, TILE_ORDER,
         )

@@ -29,6 +29,24 @@ class KernelConfig:
     ``default_config(ep, hidden=H)`` picks for H <= 1024; deepseek- and
     mixtral-like are best at 16."""
 
+    local_first: bool = False
+    """Megakernel A (and the backward's BA): every program first copies the
+    rows that stay on its own rank (no NVLink), then the first
+    ``num_comm_sms`` programs send the others while the rest take GEMM tiles,
+    those holding only the rank's own rows first (``Workspace.tile_order``).
+    Inside an expert, rows are ordered by source rank, so about 1/W of the
+    tiles need no peer's rows and can run while the peers' rows are in
+    flight. A schedule choice: rows land where they always do, the same bits.
+    Needs ``num_comm_sms`` below the grid to overlap anything."""
+
+    local_first_experts: float = 0.25
+    """``local_first``: the fraction of the local experts whose own-rows tiles
+    go first (the rest keep expert order). Tiles moved ahead read their
+    expert's weights once more, so only as many as cover the peers' dispatch
+    time: on one H200 (simulated EP = 2, qwen3-like) all of them (1.0) cost
+    megakernel A's fc1 0.075 ms (5%) through the lost weight reuse
+    (docs/performance.md, forward run 9)."""
+
     num_programs: int | None = None
     """Persistent programs per launch; ``None``: one per SM. Every spin-wait
     relies on the whole grid being resident, so never more than the SMs."""
@@ -165,6 +183,8 @@ class KernelConfig:
                 f"KernelConfig.reduce_block_tokens ({self.reduce_block_tokens}) must be <= block_m ({self.block_m}) "
                 "with combine='presum' (its tasks split a tile's rows into blocks of that many)"
             )
+        if not 0.0 <= self.local_first_experts <= 1.0:
+            raise ValueError(f"KernelConfig.local_first_experts must be in [0, 1], got {self.local_first_experts}")
         if self.fc2_programs_per_sm < 1:
             raise ValueError(f"KernelConfig.fc2_programs_per_sm must be >= 1, got {self.fc2_programs_per_sm}")
         if self.num_combine_sms < 1:
