@@ -299,15 +299,16 @@ def test_backward_silent_rank_times_out_with_a_clear_error():
                                schedule="fused", score_before_experts=False, config=config)
 
 
-def test_backward_per_rank_launches_match_the_simulated_world():
+@pytest.mark.parametrize("local_first", [False, True])
+def test_backward_per_rank_launches_match_the_simulated_world(local_first):
     """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
     by rank in producer-first order on shared simulated arenas, gives the same
-    bits as the whole-world launch."""
+    bits as the whole-world launch (also with ``local_first``)."""
     from types import SimpleNamespace
 
     from titan_uniep import fused, fused_backward as fb
 
-    world, cfg = 2, interpreter_config()
+    world, cfg = 2, interpreter_config(local_first=local_first, local_first_experts=1.0)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     bws = BackwardWorkspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                       dtype=torch.float32, config=cfg)
@@ -315,7 +316,7 @@ def test_backward_per_rank_launches_match_the_simulated_world():
                                    schedule="sequential", score_before_experts=False, workspace=bws)
     ws = bws.inner
     per_rank = ("h", "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
-                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles")
+                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles", "tile_order")
     views = []
     for r in range(world):
         inner = SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, offsets=ws.offsets,

@@ -235,23 +235,24 @@ def test_memory_report_follows_the_documented_formula():
     assert presum["arena"] == sizes["arena"] - 3 * 256 + presum["partials"] + 2 * presum["token_slots"]
 
 
-@pytest.mark.parametrize("combine", ["staged", "presum"])
-def test_per_rank_launches_match_the_simulated_world(combine):
+@pytest.mark.parametrize("combine,local_first", [("staged", False), ("presum", False), ("staged", True)])
+def test_per_rank_launches_match_the_simulated_world(combine, local_first):
     """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
     by rank in producer-first order on shared simulated arenas, gives the same
-    bits as the whole-world launch."""
+    bits as the whole-world launch (also with ``local_first``: own rows, then
+    the others, tiles in each rank's own ``tile_order``)."""
     from types import SimpleNamespace
 
     from titan_uniep import fused
 
-    world, cfg = 2, interpreter_config(combine=combine)
+    world, cfg = 2, interpreter_config(combine=combine, local_first=local_first, local_first_experts=1.0)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     ws = Workspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                              dtype=torch.float32, config=cfg)
     whole = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                   schedule="sequential", score_before_experts=False, workspace=ws)
     per_rank = ("h", "y", "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
-                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles")
+                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles", "tile_order")
     views = [SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, arena_ptrs=ws.arena_ptrs,
                              anchors=ws.anchors, anchor_rank=ws.anchor_rank, device=ws.device, rank_base=r,
                              num_local_ranks=1, **{name: getattr(ws, name)[r:r + 1] for name in per_rank})
