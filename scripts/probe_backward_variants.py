@@ -16,7 +16,6 @@ communication (GEMM tiles, passes, gathers) are comparable.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 
@@ -24,37 +23,23 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from titan_uniep import fused_backward
-from titan_uniep.fused import simulated_moe_forward
-from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
+from titan_uniep.fused_backward import simulated_moe_backward
 from titan_uniep.kernels import default_config
-from titan_uniep.symm import Workspace
 
-from probe_common import simulated_world, time_ms
+from probe_common import saved_forward, simulated_world, time_ms, variant_args
 
 KERNELS = ("dispatch_grad_hidden", "swiglu_backward", "grad_input_combine", "gather_slot_rows", "GroupMM",
            "grouped", "Kernel")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3")
-    ap.add_argument("--variants", default="[{}]")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--tokens", type=int, default=None, help="T per rank instead of the shape's (GPU memory)")
-    args = ap.parse_args()
+    args = variant_args()
     world = simulated_world(args.shape, tokens=args.tokens)
-    t, d, h, e, k = (world[n] for n in "tdhek")
-    w, dev = 2, torch.device("cuda")
+    t = world["t"]
+    w = 2
     xs, gs, scores, indices = world["xs"], world["grads"], world["scores"], world["indices"]
     w1s, w2s, w3s = world["w1s"], world["w2s"], world["w3s"]
-    ws = Workspace.simulated(w, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16,
-                             device=dev)
-    h13 = torch.empty(w, ws.shape.slot_capacity, 2 * h, device=dev, dtype=torch.bfloat16)
-    simulated_moe_forward(xs, scores, indices, w1s, w2s, w3s, schedule="sequential", score_before_experts=False,
-                          workspace=ws, saved_h13=h13)
-    bws = BackwardWorkspace.simulated(w, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k,
-                                      dtype=torch.bfloat16, device=dev)
+    _, h13, bws = saved_forward(world, w)
     base = dict(fused_backward.BACKWARD_TILES)
     variants = json.loads(args.variants)
     ref = None

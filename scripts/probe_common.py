@@ -48,3 +48,36 @@ def simulated_world(shape: str, world: int = 2, seed: int = 0, tokens: int | Non
         out["w3s"].append(randn(el, h, d, scale=d ** -0.5))
         out["w2s"].append(randn(el, d, h, scale=h ** -0.5))
     return out
+
+
+def variant_args(default_shape: str = "qwen3"):
+    """Command line of the one-GPU variant probes: ``--shape``, ``--variants``
+    (JSON list), ``--rounds``, ``--reps``, ``--tokens``."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default=default_shape)
+    ap.add_argument("--variants", default="[{}]")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=None, help="T per rank instead of the shape's (GPU memory)")
+    return ap.parse_args()
+
+
+def saved_forward(world: dict, ranks: int = 2):
+    """A simulated world's forward workspace after one sequential forward that
+    saved h1 | h3, the saved buffer, and a fresh backward workspace."""
+    from titan_uniep.fused import simulated_moe_forward
+    from titan_uniep.fused_backward import BackwardWorkspace
+    from titan_uniep.symm import Workspace
+
+    t, d, h, e, k = (world[n] for n in "tdhek")
+    dev = torch.device("cuda")
+    ws = Workspace.simulated(ranks, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16,
+                             device=dev)
+    h13 = torch.empty(ranks, ws.shape.slot_capacity, 2 * h, device=dev, dtype=torch.bfloat16)
+    simulated_moe_forward(world["xs"], world["scores"], world["indices"], world["w1s"], world["w2s"], world["w3s"],
+                          schedule="sequential", score_before_experts=False, workspace=ws, saved_h13=h13)
+    bws = BackwardWorkspace.simulated(ranks, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k,
+                                      dtype=torch.bfloat16, device=dev)
+    return ws, h13, bws

@@ -16,11 +16,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from titan_uniep import fused_backward
-from titan_uniep.fused import simulated_moe_forward
-from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
-from titan_uniep.symm import Workspace
+from titan_uniep.fused_backward import simulated_moe_backward
 
-from probe_common import simulated_world
+from probe_common import saved_forward, simulated_world
 
 
 def main():
@@ -29,17 +27,9 @@ def main():
     ap.add_argument("--variants", default="[{}]")
     args = ap.parse_args()
     world = simulated_world(args.shape)
-    t, d, h, e, k = (world[n] for n in "tdhek")
-    w, dev = 2, torch.device("cuda")
     xs, gs, scores, indices = world["xs"], world["grads"], world["scores"], world["indices"]
     w1s, w2s, w3s = world["w1s"], world["w2s"], world["w3s"]
-    ws = Workspace.simulated(w, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16,
-                             device=dev)
-    h13 = torch.empty(w, ws.shape.slot_capacity, 2 * h, device=dev, dtype=torch.bfloat16)
-    simulated_moe_forward(xs, scores, indices, w1s, w2s, w3s, schedule="sequential", score_before_experts=False,
-                          workspace=ws, saved_h13=h13)
-    bws = BackwardWorkspace.simulated(w, num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k,
-                                      dtype=torch.bfloat16, device=dev)
+    _, h13, bws = saved_forward(world)
     base = dict(fused_backward.BACKWARD_TILES)
     ref = None
     for override in json.loads(args.variants):

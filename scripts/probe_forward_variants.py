@@ -14,7 +14,6 @@ share the GPU and "remote" stores are local (see probe_backward_variants.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -24,17 +23,11 @@ from titan_uniep.fused import simulated_moe_forward
 from titan_uniep.kernels import default_config
 from titan_uniep.symm import Workspace
 
-from probe_common import simulated_world, time_ms
+from probe_common import simulated_world, time_ms, variant_args
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3")
-    ap.add_argument("--variants", default="[{}]")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--tokens", type=int, default=None, help="T per rank instead of the shape's (GPU memory)")
-    args = ap.parse_args()
+    args = variant_args()
     world = simulated_world(args.shape, tokens=args.tokens)
     t, d, h, e, k = (world[n] for n in "tdhek")
     w, dev = 2, torch.device("cuda")

@@ -63,6 +63,21 @@ def run_both(w, *, score_before, config=None, workspace=None):
     return outs["sequential"], outs["fused"]
 
 
+def saved_h13_of_forward(w, config, *, score_before=False):
+    """Each slot's h1 | h3 as the fused forward saves them (NaN where no slot
+    is used), for the backward's ``saved_h13``."""
+    from titan_uniep.fused import simulated_moe_forward
+    from titan_uniep.symm import Workspace
+
+    world, num_experts, top_k = len(w["xs"]), w["el"] * len(w["xs"]), w["indices"][0].shape[1]
+    fwd = Workspace.simulated(world, num_tokens=max(max(len(x) for x in w["xs"]), 1), dim=DIM, hidden=HIDDEN,
+                              num_experts=num_experts, top_k=top_k, dtype=torch.float32, config=config)
+    saved = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
+    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                          score_before_experts=score_before, config=config, workspace=fwd, saved_h13=saved)
+    return saved
+
+
 def float64_grads(w, score_before):
     """Autograd of the float64 reference; weight grads summed over ranks, split per owner."""
     leaves = [t.double().requires_grad_() for t in (w["w1"], w["w2"], w["w3"])]
@@ -167,16 +182,9 @@ def test_backward_with_h1_h3_saved_by_the_forward(score_before):
     """The forward writes each slot's h1 | h3 (saved_h13); the backward reads
     them instead of recomputing fc1: correct, bitwise across schedules, and
     equal to the recomputing backward (same math, interpreter fp32)."""
-    from titan_uniep.fused import simulated_moe_forward
-    from titan_uniep.symm import Workspace
-
     w = make_world(2, 8, 3, [13, 10], seed=81)
     cfg = interpreter_config()
-    fwd = Workspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                              dtype=torch.float32, config=cfg)
-    saved = torch.full((2, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
-    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                          score_before_experts=score_before, config=cfg, workspace=fwd, saved_h13=saved)
+    saved = saved_h13_of_forward(w, cfg, score_before=score_before)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                      dtype=torch.float32, config=cfg)
     outs = {}
@@ -204,16 +212,10 @@ def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before, monk
     schedules (poisoned workspace: a chunk no task copies would show up as NaN
     in dW1 / dW2 / dW3); skewed routing with empty experts, odd T."""
     from titan_uniep import fused_backward
-    from titan_uniep.fused import simulated_moe_forward
-    from titan_uniep.symm import Workspace
 
     w = make_world(2, 8, 3, [13, 10], seed=83, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
     cfg = interpreter_config()
-    fwd = Workspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                              dtype=torch.float32, config=cfg)
-    saved = torch.full((2, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
-    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                          score_before_experts=score_before, config=cfg, workspace=fwd, saved_h13=saved)
+    saved = saved_h13_of_forward(w, cfg, score_before=score_before)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                      dtype=torch.float32, config=cfg)
     outs = {}
@@ -238,19 +240,11 @@ def test_backward_local_first_schedule_changes_no_bits(world, num_tokens, saved)
     gradient equals the default schedule's bit for bit, in both schedules,
     with h1 | h3 saved by the forward or recomputed (skewed routing, a rank
     with no tokens)."""
-    from titan_uniep.fused import simulated_moe_forward
     from titan_uniep.kernels.backward import CTL_BWD_OWN_DISPATCH
-    from titan_uniep.symm import Workspace
 
     w = make_world(world, 8, 3, num_tokens, seed=91 + world, force=5)
     base = interpreter_config(num_programs=3)
-    saved_h13 = None
-    if saved:
-        fwd = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                  dtype=torch.float32, config=base)
-        saved_h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
-        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                              score_before_experts=False, config=base, workspace=fwd, saved_h13=saved_h13)
+    saved_h13 = saved_h13_of_forward(w, base) if saved else None
     ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8,
                                      top_k=3, dtype=torch.float32, config=base)
     outs = {}

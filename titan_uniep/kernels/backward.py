@@ -411,30 +411,24 @@ def dispatch_grad_hidden_kernel(
             max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
         tasks_per_rank = tl.cdiv(max_tokens, BT)
         total = NUM_LOCAL * tasks_per_rank
-        if local_first != 0:  # as megakernel A: own rows by every program first, then the others
-            task = next_task(control_ptr, _CTL_BWD_OWN_DISPATCH)
-            while task < total:
-                dispatch_grad_task(
-                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
-                    x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
-                    route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-                    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
-                    token_capacity, slot_capacity, tile_capacity, silent_rank, 1,
-                    WORLD, DIM, TOP_K, BT, BD, KP,
-                )
-                task = next_task(control_ptr, _CTL_BWD_OWN_DISPATCH)
-        if pid < num_dispatch_programs:
-            task = next_task(control_ptr, _CTL_BWD_DISPATCH)
-            while task < total:
-                dispatch_grad_task(
-                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
-                    x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
-                    route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
-                    off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
-                    token_capacity, slot_capacity, tile_capacity, silent_rank, 2 * (local_first != 0).to(tl.int32),
-                    WORLD, DIM, TOP_K, BT, BD, KP,
-                )
-                task = next_task(control_ptr, _CTL_BWD_DISPATCH)
+        for step in tl.static_range(2):  # as megakernel A: own rows by every program first, then the others
+            # (arithmetic on the static step: the compiler takes no branch-defined constexpr)
+            counter = _CTL_BWD_DISPATCH + (_CTL_BWD_OWN_DISPATCH - _CTL_BWD_DISPATCH) * (1 - step)
+            first = (local_first != 0).to(tl.int32)
+            part = (1 - step) + step * 2 * first
+            active = (1 - step) * first + step * (pid < num_dispatch_programs).to(tl.int32)
+            if active != 0:
+                task = next_task(control_ptr, counter)
+                while task < total:
+                    dispatch_grad_task(
+                        task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr,
+                        x_ptr, g_ptr, x_rank_stride, scores_ptr, dest_rank_ptr, dest_slot_ptr, dest_tile_ptr,
+                        route_rank_stride, arena_ptrs, act_anchor, i32_anchor, f32_anchor, anchor_rank,
+                        off_tokens, off_slot_copy, off_slot_score, off_tile_arrivals,
+                        token_capacity, slot_capacity, tile_capacity, silent_rank, part,
+                        WORLD, DIM, TOP_K, BT, BD, KP,
+                    )
+                    task = next_task(control_ptr, counter)
 
     if do_tiles != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)
