@@ -30,7 +30,8 @@ DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 16, 4, 1000
 _ALL_COMBINES = {"direct": ("direct", False, False), "deferred": ("direct", True, False),
                  "staged": ("staged", False, False), "presum": ("presum", False, False),
                  "local_first": ("direct", False, True)}
-COMBINES = [_ALL_COMBINES[c] for c in os.environ.get("UNIEP_EP_COMBINES", ",".join(_ALL_COMBINES)).split(",")]
+COMBINE_NAMES = os.environ.get("UNIEP_EP_COMBINES", ",".join(_ALL_COMBINES)).split(",")
+COMBINES = [_ALL_COMBINES[c] for c in COMBINE_NAMES]
 
 
 def log(msg):
@@ -108,8 +109,8 @@ def main():
                     if (key[1] == "presum") == (ref[1] == "presum") and not torch.equal(outs[ref], out):
                         raise AssertionError(f"rank {rank} {name}: {key} differs from {ref}")
                 check_close(outs[ref], x, scores, idx, (w1, w2, w3), score_before, name)
-        log(f"PASS real EP {name}: fused == sequential bitwise (direct, deferred-release, staged, local-first; presum), "
-            "close to float64")
+        log(f"PASS real EP {name}: fused == sequential bitwise across the modes {', '.join(COMBINE_NAMES)} "
+            "(a presum run is compared within its own rounding class), close to float64")
 
     def fused_forward(x, scores, idx):
         return moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False,

@@ -57,7 +57,7 @@ own launches (``kernels.wgrad``), the same in both schedules.
 Each call starts with the forward's route kernels on the backward workspace
 (``fused._route``: histogram, counts exchange, layout): the same
 deterministic slots as the forward, and the exchange zeroes this call's
-arrival and task counters (the backward's four counters below are among
+arrival and task counters (the backward's counters below are among
 the control words ``sync.TASK_COUNTER_WORDS``, which it zeroes).
 
 Sequential schedule: the same kernels, one task kind per launch. Fused: BA
