@@ -38,7 +38,7 @@ class KernelConfig:
     tiles need no peer's rows and can run while the peers' rows are in
     flight. A schedule choice: rows land where they always do, the same bits.
     Needs ``num_comm_sms`` below the grid to overlap anything. Measured on
-    2 x H200, qwen3-like (docs/performance.md, run 14): megakernel A -0.026 ms,
+    2 x H200, qwen3-like (docs/performance.md, run 15): megakernel A -0.026 ms,
     BA -0.06 ms, but the layer's forward and backward times unchanged (BB
     slower by what BA gained), hence off."""
 
