@@ -8,7 +8,7 @@ experts, top-``K``), on the same inputs and routing:
 - ``titan_ep``: TorchTitan 0.2.2 standard EP -- ``MoE.forward`` after the
   router (TokenReorderer, gather, experts, unsort, combine) with
   ``ExpertParallel`` applied to a ``GroupedExperts`` on the EP mesh;
-- ``uniep_sequential`` / ``uniep_fused``: ``titan_uniep.fused.moe_forward``
+- ``uniep_sequential`` / ``uniep_fused``: ``titan_uniep.runtime.moe_forward``
   (counts exchange + layout + both megakernels);
 - ``gemm_only``: ``torch._grouped_mm`` fc1 (w1, w3), SwiGLU and fc2 on the rows
   this rank receives (groups padded to 8 rows, as TorchTitan does);
@@ -21,7 +21,7 @@ slowest rank. One JSON line per shape (prefixed ``JSON``), then a table.
 ``--check`` compares UniEP (and TorchTitan) with a float64 reference on the
 first ``--check-tokens`` tokens of every rank, and fused with sequential bitwise.
 ``--profile`` prints rank 0's CUDA kernel times of both schedules (first
-shape); ``--sweep`` times the fused schedule at a few other tuning points;
+shape); ``--sweep-params`` times the fused schedule at other parameter points;
 ``--graph`` also times both schedules replayed from a CUDA graph (no Python
 launch overhead: the eager layer issues ~45 small launches per call, and on
 qwen3-like shapes the host, not the GPU, sets the pace).
@@ -33,18 +33,17 @@ import argparse
 import sys
 import json
 import os
-import statistics
 from datetime import date
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .fused import exchange_bytes, moe_forward
-from .kernels.tuning import default_config
+from .params import apply_overrides, default_params
+from .runtime import Workspace, exchange_bytes, moe_forward
+from .timing import time_ms
 from .layout import compute_layout, count_per_expert, token_destinations
-from .reference_math import float64_moe_reference
-from .symm import Workspace
+from .oracle import float64_moe_oracle
 
 SHAPES = {  # T per rank, D, H, E, K
     "qwen3": (8192, 2048, 768, 128, 8),
@@ -69,24 +68,6 @@ def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, gen, 
     probs = torch.softmax(logits, dim=1)
     scores, indices = probs.topk(top_k, dim=1)
     return scores.contiguous(), indices.contiguous()
-
-
-def time_ms(fn, warmup: int, reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings after ``warmup`` calls; max over ranks."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    median = statistics.median(s.elapsed_time(e) for s, e in events)
-    slowest = torch.tensor([median], device="cuda")
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
 
 
 def titan_ep_path(dim, hidden, num_experts, top_k, w1, w2, w3, mesh, score_before: bool):
@@ -183,21 +164,19 @@ def bench_shape(name, shape, args, group, mesh, dev):
     bytes_to_peer[rank] = 0
     received_rows = int(layout.expert_offsets[-1])
 
-    # The shipped per-shape default, as the custom op runs it (dispatch-first for small H).
-    config = default_config(world, hidden=hidden)
-    if args.num_comm_sms:
-        config = config.replace(num_comm_sms=args.num_comm_sms)
-    if args.combine:
-        config = config.replace(combine=args.combine)
-    # With --sweep, built able to stage the combine, so every combine mode can run on it.
-    ws_config = config.replace(combine="staged") if args.sweep else config
+    # The shipped per-shape default, as the custom op runs it, with the --set overrides.
+    params = apply_overrides(default_params(world, hidden=hidden), args.set)
+    sweep = [params.replace(**change) for change in json.loads(args.sweep_params)]
+    # A workspace built for the presum combine serves every combine mode.
+    needs_y = any(point.combine != "direct" for point in (params, *sweep))
     ws = Workspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts,
-                             top_k=top_k, dtype=dtype, device=dev, config=ws_config)
+                             top_k=top_k, dtype=dtype, device=dev,
+                             params=params.replace(combine="presum") if needs_y else params)
     sb = args.score_before
 
     def uniep(schedule):
         return lambda: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule=schedule,
-                                   score_before_experts=sb, config=config, error_check="lazy")
+                                   score_before_experts=sb, params=params, error_check="lazy")
 
     titan = titan_ep_path(dim, hidden, num_experts, top_k, w1, w2, w3, mesh, sb)
     gemm = gemm_only_path(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, dev)
@@ -221,14 +200,13 @@ def bench_shape(name, shape, args, group, mesh, dev):
         record["gemm_only_ms"] = time_ms(gemm, args.warmup, args.reps)
         record["transfer_only_ms"] = time_ms(transfer, args.warmup, args.reps)
         if args.check:
-            record.update(check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, config, titan, args, group))
-        if args.sweep:
-            for knob, value in SWEEP:
-                cfg = config.replace(**{knob: value})
-                record[f"sweep_fused_ms[{knob}={value}]"] = time_ms(
-                    lambda: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule="fused",
-                                        score_before_experts=sb, config=cfg, error_check="lazy"),
-                    args.warmup, args.reps)
+            record.update(check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan, args, group))
+        for change, point in zip(json.loads(args.sweep_params), sweep):
+            key = "sweep_fused_ms[" + ",".join(f"{k}={v}" for k, v in change.items()) + "]"
+            record[key] = time_ms(
+                lambda point=point: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule="fused",
+                                                score_before_experts=sb, params=point, error_check="lazy"),
+                args.warmup, args.reps)
             ws.check_errors()
         if args.profile and name == next(iter(args.shape_names)):
             profile_kernels(uniep, rank)
@@ -244,10 +222,6 @@ def bench_shape(name, shape, args, group, mesh, dev):
     del ws, keep_alive
     torch.cuda.empty_cache()
     return record
-
-
-SWEEP = (("num_comm_sms", 32), ("num_comm_sms", 64), ("num_comm_sms", 132), ("combine", "staged"),
-         ("num_stages", 4))
 
 
 def graph_replay(fn):
@@ -284,13 +258,13 @@ def profile_kernels(uniep, rank):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
-def check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, config, titan, args, group):
+def check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan, args, group):
     n = min(args.check_tokens, x.shape[0])
     outs = {s: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule=s,
-                           score_before_experts=args.score_before, config=config, error_check="sync")
+                           score_before_experts=args.score_before, params=params, error_check="sync")
             for s in ("sequential", "fused")}
     tt = titan(x, scores, indices)
-    exact = float64_moe_reference(x[:n], scores[:n], indices[:n], w1, w2, w3, score_before_experts=args.score_before)
+    exact = float64_moe_oracle(x[:n], scores[:n], indices[:n], w1, w2, w3, score_before_experts=args.score_before)
     scale = exact.abs().max().clamp_min(1e-30)
     stats = torch.tensor([
         float(not torch.equal(outs["sequential"], outs["fused"])),
@@ -331,10 +305,12 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-comm-sms", type=int, default=0, help="override KernelConfig.num_comm_sms")
-    parser.add_argument("--combine", choices=("direct", "staged"), default=None, help="override KernelConfig.combine")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a LayerParams field of the default point (repeatable)")
+    parser.add_argument("--sweep-params", default="[]",
+                        help='JSON list of LayerParams overrides whose fused forward to time too, e.g. '
+                             '\'[{"dispatch_programs": 32}, {"combine": "staged"}]\'')
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--graph", action="store_true", help="also time CUDA-graph replays of the UniEP forward")
     parser.add_argument("--json-out", type=str, default="", help="also append the JSON lines to this file")
     args = parser.parse_args(argv)

@@ -8,9 +8,9 @@ and routing (random router-like scores, balanced):
 - ``titan_ep``: TorchTitan 0.2.2 standard EP (``ExpertParallel`` on
   ``GroupedExperts``, the MoE.forward lines after the router) under autograd:
   forward, then ``backward`` of the output gradient (grads of x, scores, w1-3);
-- ``uniep_sequential`` / ``uniep_fused``: ``fused.moe_forward`` (saving h1 | h3
+- ``uniep_sequential`` / ``uniep_fused``: ``runtime.moe_forward`` (saving h1 | h3
   per slot, as the custom op does) then
-  ``fused_backward.moe_backward`` (each schedule for both directions);
+  ``runtime.moe_backward`` (each schedule for both directions);
   ``*_bwd`` the backward alone; ``uniep_fused_recompute``: the fused
   forward + backward when nothing is saved (the backward recomputes fc1);
 - ``gemm_only``: ``torch._grouped_mm`` fc1/SwiGLU/fc2 on the rows this rank
@@ -18,7 +18,7 @@ and routing (random router-like scores, balanced):
 
 Times: CUDA events, warm-up first, median over ``--reps``, slowest rank (ms).
 ``--sweep-tiles '[{"wgrad": "triton"}, ...]'``: the fused backward again with
-each override of ``fused_backward.BACKWARD_TILES`` (``uniep_fused_bwd[...]``).
+each ``LayerParams`` override of ``--sweep-params`` (``uniep_fused_bwd[...]``).
 ``--profile``: rank 0 prints, for one backward call of each schedule, every
 CUDA kernel in launch order with its device time (the sequential schedule's
 launches are its phases: exchange, dispatch, dH, dA, wgrad, reduce).
@@ -31,41 +31,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .fused import moe_forward
-from . import fused_backward
-from .fused_backward import BackwardWorkspace, moe_backward
+from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from .timing import time_ms
 from .layout import compute_layout, count_per_expert
-from .symm import Workspace
 
 SHAPES = {  # T per rank, D, H, E, K
     "qwen3": (8192, 2048, 768, 128, 8),
     "deepseek": (4096, 7168, 2048, 256, 8),
     "mixtral": (8192, 4096, 14336, 8, 2),
 }
-
-
-def time_ms(fn, warmup: int, reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings after ``warmup`` calls; max over ranks."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device="cuda")
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms.item())
 
 
 def titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before: bool):
@@ -182,9 +162,9 @@ def bench_shape(name, shape, args, group, mesh, dev):
     moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=fwd_ws, schedule="sequential",
                 score_before_experts=score_before, saved_h13=h13)
 
-    def bwd_call(schedule, saved=True):
+    def bwd_call(schedule, saved=True, params=None):
         return moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
-                            score_before_experts=score_before, saved_h13=h13 if saved else None)
+                            score_before_experts=score_before, saved_h13=h13 if saved else None, params=params)
 
     for schedule in ("sequential", "fused"):
         def fwd_bwd(schedule=schedule, saved=True):
@@ -203,15 +183,10 @@ def bench_shape(name, shape, args, group, mesh, dev):
     layout = compute_layout(indices, counts_all, rank)
     measure("gemm_only", lambda: gemm_only_fwd_bwd(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype,
                                                    gen, dev))
-    for override in json.loads(args.sweep_tiles):
-        saved = dict(fused_backward.BACKWARD_TILES)
-        fused_backward.BACKWARD_TILES.update(override)
-        try:
-            key = "uniep_fused_bwd[" + ",".join(f"{k}={v}" for k, v in override.items()) + "]"
-            measure(key, lambda: lambda: bwd_call("fused"))
-        finally:
-            fused_backward.BACKWARD_TILES.clear()
-            fused_backward.BACKWARD_TILES.update(saved)
+    for override in json.loads(args.sweep_params):
+        point = bwd_ws.inner.params.replace(**override)
+        key = "uniep_fused_bwd[" + ",".join(f"{k}={v}" for k, v in override.items()) + "]"
+        measure(key, lambda point=point: lambda: bwd_call("fused", params=point))
     if args.profile:
         profile_backward(bwd_call, rank, name)
     if args.check:
@@ -259,7 +234,8 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="fused == sequential bitwise (all grads)")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--profile", action="store_true", help="rank 0: one call's kernels, in order")
-    parser.add_argument("--sweep-tiles", default="[]", help="JSON list of BACKWARD_TILES overrides to time")
+    parser.add_argument("--sweep-params", default="[]",
+                        help="JSON list of LayerParams overrides whose fused backward to time")
     args = parser.parse_args(argv)
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

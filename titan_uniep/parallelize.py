@@ -204,7 +204,7 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
         with _uniep_expert_parallel_plan():
             model = base_parallelize_fn(model, parallel_dims, job_config)
         if cfg.schedule != "reference":
-            from titan_uniep.ops import reserve_tokens
+            from titan_uniep.op import reserve_tokens
 
             # Tokens per rank per MoE call: the microbatch (CP splits the sequence).
             tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp

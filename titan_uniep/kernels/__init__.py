@@ -1,8 +1,16 @@
-"""Triton kernels of UniEP's forward: counts exchange, megakernel A (dispatch +
-fc1 + SwiGLU) and megakernel B (fc2 + combine). Host wrappers live in
-``titan_uniep.fused``; no kernel imports torchtitan.
+"""UniEP's Triton kernels (no kernel imports torchtitan; the host launches
+live in ``titan_uniep.runtime``):
 
-Without CUDA, Triton can only run these kernels through its interpreter, and
+- ``scoreboard``: release / acquire counters, bounded waits, the error record,
+  the packed kernel arguments (``Arena``, ``Route``) and the task helpers
+  every megakernel is built from;
+- ``route``: per-block counts, the counts exchange, the layout on the device;
+- ``dispatch_fc1`` and ``fc2_combine``: the forward megakernels;
+- ``dispatch_dh`` (with the SwiGLU backward pass) and ``da_combine``: the
+  backward megakernels;
+- ``wgrad``: the weight gradients.
+
+Without CUDA, Triton can run these kernels only through its interpreter, and
 ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, so it is
 set here, before any kernel module is imported (CPU-only machines: CI, dev).
 """
@@ -13,7 +21,3 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from .tuning import DEFAULT_CONFIGS, KernelConfig, default_config, interpreter_config  # noqa: E402
-
-__all__ = ["KernelConfig", "DEFAULT_CONFIGS", "default_config", "interpreter_config"]

@@ -1,6 +1,6 @@
-"""Megakernel B: grouped GEMM fc2 + combine.
+"""fc2_combine (forward megakernel B): grouped GEMM fc2 + combine.
 
-Reads what megakernel A left (same index arrays, see ``dispatch_fc1``):
+Reads what dispatch_fc1 left (same index arrays, see ``dispatch_fc1``):
 ``h`` ``(L, S, H)`` in expert-major slots and ``slot_copy`` in this rank's
 arena. Writes, in every source rank's arena, ``returned`` ``(T_cap * K, D)``
 (expert output of copy ``(t, k)`` at row ``t * K + k``) and bumps
@@ -40,8 +40,8 @@ arrival per rank the token went to and sums the partials in rank order
 0..W-1 in fp32. One row per (token, rank) crosses NVLink instead of one per
 copy; the rounding differs from ``direct``/``staged`` (partials per rank).
 
-Sequential schedule: the same kernel launched three times (fc2 tasks, then reduce
-tasks); bitwise identical results.
+Sequential schedule: the same kernel launched once per task kind (fc2 tasks,
+then send / presum tasks, then reduce tasks); bitwise identical results.
 """
 
 from __future__ import annotations
@@ -49,25 +49,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dispatch_fc1 import grouped_tile_task
-from .sync import (
+from .scoreboard import (
     CONTROL_WORDS,
-    CTL_FC2_TASKS,
+    CTL_COMBINE_TILE_TASKS,
     CTL_REDUCE_TASKS,
     CTL_SEND_TASKS,
     WAIT_TILE_DONE,
-    WAIT_TOKEN_ROWS,
     arena_ptr,
+    claim_task,
+    gemm_tile_task,
     has_failed,
-    next_task,
+    matrix_descriptor,
+    max_over_ranks,
     record_failure,
+    release_or_defer,
+    release_token_arrivals,
     wait_counter_at_least,
     wait_counters_at_least,
+    wait_token_rows,
 )
 
-_CTL_FC2_TASKS = tl.constexpr(CTL_FC2_TASKS)
+_CTL_FC2_TASKS = tl.constexpr(CTL_COMBINE_TILE_TASKS)
 _CTL_REDUCE_TASKS = tl.constexpr(CTL_REDUCE_TASKS)
-_WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
 _CTL_SEND_TASKS = tl.constexpr(CTL_SEND_TASKS)
 _WAIT_TILE_DONE = tl.constexpr(WAIT_TILE_DONE)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
@@ -121,63 +124,23 @@ def fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN: tl.constexpr, BM: tl.con
 
 
 @triton.jit
-def matrix_descriptor(ptr, rows, COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ON: tl.constexpr):
-    """A tensor descriptor of the ``(rows, COLS)`` row-major matrix at ``ptr``
-    in blocks of ``BR x BC`` (``ON``), else the pointer itself."""
-    if ON:
-        desc = tl.make_tensor_descriptor(ptr, shape=[rows, COLS], strides=[COLS, 1], block_shape=[BR, BC])
-    else:
-        desc = ptr
-    return desc
-
-
-@triton.jit
 def store_rows_to_sources(
-    y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena_ptrs, act_anchor, anchor_rank, off_returned,
-    token_capacity, DIM: tl.constexpr, TOP_K: tl.constexpr,
+    y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena, anchor_rank, DIM: tl.constexpr, TOP_K: tl.constexpr,
 ):
     """Store each finished row at its source's ``returned[t * K + k]``;
     returns (source rank, token) of each row for ``release_token_arrivals``."""
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
-    per_rank = token_capacity * TOP_K
+    per_rank = arena.token_capacity * TOP_K
     source = copy_id // per_rank
     row = (copy_id % per_rank).to(tl.int64)
-    returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
+    returned = arena_ptr(arena.act, arena, anchor_rank, source, arena.returned)
     tl.store(returned[:, None] + row[:, None] * DIM + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
     return source, row // TOP_K
 
 
 @triton.jit
-def release_token_arrivals(source, token, mask, arena_ptrs, i32_anchor, anchor_rank, off_token_arrivals):
-    """One release arrival per stored row on its source's ``token_arrivals[t]``
-    (the caller put a barrier between the row stores and this)."""
-    arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
-    tl.atomic_add(arrivals + token, 1, mask=mask, sem="release", scope="sys")
-
-
-@triton.jit
-def release_or_defer(source, token, rows, pending_source, pending_token, pending, arena_ptrs, i32_anchor,
-                     anchor_rank, off_token_arrivals, DEFER: tl.constexpr):
-    """After a tile's row stores (and a barrier): release their arrivals now,
-    or (``DEFER``) keep them pending until the program's next tile has run
-    its K-loop, by which time the stores have landed and the system-scope
-    release finds nothing to wait for. The caller releases the pending rows
-    before its next tile's stores and once after its last tile. Returns the
-    pending (source, token, mask)."""
-    if DEFER:
-        pending_source = source
-        pending_token = token
-        pending = rows
-    else:
-        release_token_arrivals(source, token, rows, arena_ptrs, i32_anchor, anchor_rank, off_token_arrivals)
-    return pending_source, pending_token, pending
-
-
-@triton.jit
 def send_task(
-    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
-    y_ptr, y_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_slot_copy,
-    off_returned, off_token_arrivals, off_tile_done, token_capacity, slot_capacity, col_blocks, timeout,
+    task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks, timeout,
     NUM_LOCAL: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
@@ -186,22 +149,22 @@ def send_task(
     tile = task // NUM_LOCAL
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
-    if (tile < tl.load(num_tiles_ptr + local)) & (has_failed(control) == 0):
-        m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
-        m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
-        tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done) + tile
+    if (tile < tl.load(route.num_tiles + local)) & (has_failed(control) == 0):
+        m0 = tl.load(route.tile_start + local * route.tile_stride + tile)
+        m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
+        tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done) + tile
         seen = wait_counter_at_least(tile_done, col_blocks, timeout, USE_TIMER)
         if seen < col_blocks:
             record_failure(control, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen)
-        elif m1 <= slot_capacity:
+        elif m1 <= arena.slot_capacity:
             offs_m = m0 + tl.arange(0, BM)
             mask_m = offs_m < m1
-            slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
+            slot_copy = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy)
             copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
-            per_rank = token_capacity * TOP_K
+            per_rank = arena.token_capacity * TOP_K
             source = copy_id // per_rank
             row = (copy_id % per_rank).to(tl.int64)
-            returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, source, off_returned)
+            returned = arena_ptr(arena.act, arena, anchor_rank, source, arena.returned)
             staged = y_ptr + local.to(tl.int64) * y_rank_stride + offs_m[:, None].to(tl.int64) * DIM
             for d0 in range(0, DIM, BD):
                 offs_d = d0 + tl.arange(0, BD)
@@ -209,16 +172,12 @@ def send_task(
                 rows = tl.load(staged + offs_d[None, :], mask=mask, cache_modifier=".cg")
                 tl.store(returned[:, None] + row[:, None] * DIM + offs_d[None, :], rows, mask=mask)
             tl.debug_barrier()
-            arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
-            tl.atomic_add(arrivals + row // TOP_K, 1, mask=mask_m, sem="release", scope="sys")
+            release_token_arrivals(source, row // TOP_K, mask_m, arena, anchor_rank)
 
 
 @triton.jit
 def presum_task(
-    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
-    y_ptr, y_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_slot_copy, off_slot_score,
-    off_token_arrivals, off_tile_done, off_token_slots, off_token_tiles, off_partials,
-    token_capacity, slot_capacity, col_blocks, timeout,
+    task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks, timeout,
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
@@ -230,25 +189,25 @@ def presum_task(
     chunk = (task // NUM_LOCAL) % chunks
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
-    if (tile < tl.load(num_tiles_ptr + local)) & (has_failed(control) == 0):
-        m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
-        m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
+    if (tile < tl.load(route.num_tiles + local)) & (has_failed(control) == 0):
+        m0 = tl.load(route.tile_start + local * route.tile_stride + tile)
+        m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
         offs_m = m0 + chunk * BT + tl.arange(0, BT)
-        mask_m = (offs_m < m1) & (m1 <= slot_capacity)
-        slot_copy = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy)
+        mask_m = (offs_m < m1) & (m1 <= arena.slot_capacity)
+        slot_copy = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy)
         copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
         k_self = copy_id % TOP_K
         base = (copy_id - k_self).to(tl.int64)
         offs_k = tl.arange(0, KP)
         mask_mk = mask_m[:, None] & (offs_k < TOP_K)[None, :]
-        token_slots = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_slots)
-        token_tiles = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_tiles)
+        token_slots = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_slots)
+        token_tiles = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_tiles)
         slots = tl.load(token_slots + base[:, None] + offs_k[None, :], mask=mask_mk, other=-1, cache_modifier=".cg")
         tiles = tl.load(token_tiles + base[:, None] + offs_k[None, :], mask=mask_mk, other=-1, cache_modifier=".cg")
         earlier = tl.sum(tl.where((offs_k[None, :] < k_self[:, None]) & (slots >= 0), 1, 0), axis=1)
         lead = mask_m & (earlier == 0)
         # One bounded wait over the fc2 tiles of every lead token's copies here.
-        tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done)
+        tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
         wait = lead[:, None] & (tiles >= 0)
         seen = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks, timeout, USE_TIMER)
         short = wait & (seen < col_blocks)
@@ -257,13 +216,13 @@ def presum_task(
             record_failure(control, rank, task, _WAIT_TILE_DONE, first, col_blocks,
                            tl.min(tl.min(tl.where(short, seen, 1 << 30), axis=1), axis=0))
         else:
-            per_rank = token_capacity * TOP_K
+            per_rank = arena.token_capacity * TOP_K
             source = copy_id // per_rank
             token = ((copy_id % per_rank) // TOP_K).to(tl.int64)
-            partials = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, source, off_partials)
+            partials = arena_ptr(arena.f32, arena, anchor_rank, source, arena.partials)
             dst = partials[:, None] + (token * WORLD + rank)[:, None] * DIM
             y = y_ptr + local.to(tl.int64) * y_rank_stride
-            slot_score = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score)
+            slot_score = arena_ptr(arena.f32, arena, anchor_rank, rank, arena.slot_score)
             for d0 in range(0, DIM, BD):
                 offs_d = d0 + tl.arange(0, BD)
                 mask_d = offs_d < DIM
@@ -281,15 +240,13 @@ def presum_task(
                 tl.store(dst + offs_d[None, :], acc, mask=lead[:, None] & mask_d[None, :])
             # Every thread's partial stores before any arrival is released.
             tl.debug_barrier()
-            arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, source, off_token_arrivals)
-            tl.atomic_add(arrivals + token, 1, mask=lead, sem="release", scope="sys")
+            release_token_arrivals(source, token, lead, arena, anchor_rank)
 
 
 @triton.jit
 def presum_reduce_task(
-    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, dest_rank_ptr, route_rank_stride,
-    out_ptr, out_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_partials, off_token_arrivals,
-    timeout, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+    task, tasks_per_rank, rank_base, control_ptr, route, out_ptr, out_rank_stride, arena, anchor_rank, timeout,
+    WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     """Presum combine, on the source: ``out[t] = sum_r partial[t, r]`` in fp32
@@ -297,28 +254,20 @@ def presum_reduce_task(
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
-    num_tokens = tl.load(num_tokens_ptr + local)
+    num_tokens = tl.load(route.num_tokens + local)
     if has_failed(control) == 0:
         offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
         mask_t = offs_t < num_tokens
         offs_k = tl.arange(0, KP)
-        dest = tl.load(dest_rank_ptr + local * route_rank_stride + offs_t[:, None] * TOP_K + offs_k[None, :],
+        dest = tl.load(route.dest_rank + local * route.copy_stride + offs_t[:, None] * TOP_K + offs_k[None, :],
                        mask=mask_t[:, None] & (offs_k < TOP_K)[None, :], other=-1)
         expected = tl.zeros([BT], dtype=tl.int32)
         for p in range(WORLD):
             expected += tl.max(tl.where(dest == p, 1, 0), axis=1)
-        arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals) + offs_t
-        seen = wait_counters_at_least(arrivals, mask_t, expected, timeout, USE_TIMER)
-        short = mask_t & (seen < expected)
-        if tl.max(short.to(tl.int32)) > 0:
-            first = tl.min(tl.where(short, offs_t, 1 << 30))
-            record_failure(
-                control, rank, task, _WAIT_TOKEN_ROWS, first, tl.max(tl.where(short, expected, 0)),
-                tl.min(tl.where(short, seen, 1 << 30))
-            )
-        else:
+        if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, expected, timeout, USE_TIMER,
+                           True):
             out = out_ptr + local.to(tl.int64) * out_rank_stride
-            partials = arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_partials)
+            partials = arena_ptr(arena.f32, arena, anchor_rank, rank, arena.partials)
             rows = offs_t.to(tl.int64) * WORLD
             for d0 in range(0, DIM, BD):
                 offs_d = d0 + tl.arange(0, BD)
@@ -335,28 +284,21 @@ def presum_reduce_task(
 
 @triton.jit
 def reduce_task(
-    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
-    out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned, off_token_arrivals,
-    arrivals_per_token, timeout, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
+    task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride, arena, anchor_rank,
+    arrivals_per_token, timeout, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
-    num_tokens = tl.load(num_tokens_ptr + local)
+    num_tokens = tl.load(route.num_tokens + local)
     if has_failed(control) == 0:
         offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
         mask_t = offs_t < num_tokens
-        arrivals = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_token_arrivals) + offs_t
-        seen = wait_counters_at_least(arrivals, mask_t, arrivals_per_token, timeout, USE_TIMER)
-        short = mask_t & (seen < arrivals_per_token)
-        if tl.max(short.to(tl.int32)) > 0:
-            first = tl.min(tl.where(short, offs_t, 1 << 30))
-            record_failure(
-                control, rank, task, _WAIT_TOKEN_ROWS, first, arrivals_per_token, tl.min(tl.where(short, seen, 1 << 30))
-            )
-        else:
+        if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, arrivals_per_token, timeout,
+                           USE_TIMER):
             out = out_ptr + local.to(tl.int64) * out_rank_stride
-            returned = arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_returned)
+            returned = arena_ptr(arena.act, arena, anchor_rank, rank, arena.returned)
             rows = offs_t.to(tl.int64) * TOP_K
             for d0 in range(0, DIM, BD):
                 offs_d = d0 + tl.arange(0, BD)
@@ -370,9 +312,10 @@ def reduce_task(
                     if SCORE_BEFORE:
                         acc += y.to(tl.float32)
                     else:
-                        score = tl.load(scores_ptr + local * route_rank_stride + offs_t * TOP_K + k, mask=mask_t)
+                        score = tl.load(scores_ptr + local * route.copy_stride + offs_t * TOP_K + k, mask=mask_t)
                         acc += score[:, None] * y.to(tl.float32)
-                tl.store(out + offs_t[:, None].to(tl.int64) * DIM + offs_d[None, :], acc.to(out.dtype.element_ty), mask=mask)
+                tl.store(out + offs_t[:, None].to(tl.int64) * DIM + offs_d[None, :], acc.to(out.dtype.element_ty),
+                         mask=mask)
 
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_fc2", "do_send", "do_reduce", "num_send_programs",
@@ -382,36 +325,16 @@ def fc2_combine_kernel(
     h_rank_stride,
     w2_ptr,  # (L, El, D, H)
     weight_rank_stride,
-    tile_expert_ptr,  # (L, C) int32
-    tile_start_ptr,
-    tile_end_ptr,
-    tile_rank_stride,
-    num_tiles_ptr,  # (L,) int32
-    scores_ptr,  # (L, T, K) fp32
-    route_rank_stride,
-    num_tokens_ptr,  # (L,) int32
+    scores_ptr,  # (L, T_cap, K) fp32
+    route,  # scoreboard.Route
     out_ptr,  # (L, T, D) out
     out_rank_stride,
-    control_ptr,  # (L, CONTROL_WORDS) int64
-    arena_ptrs,  # (W,) int64 arena base addresses
-    act_anchor,  # arena of anchor_rank, as the activation dtype
-    i32_anchor,  # the same, as int32
-    anchor_rank,
-    off_slot_copy,  # element offsets of the arena buffers (in their own dtype)
-    off_returned,
-    off_token_arrivals,
-    off_tile_done,
-    y_ptr,  # (L, S, D) staged expert outputs (staged / presum combine only)
+    y_ptr,  # (L, S, D) staged expert outputs (staged / presum combine only; any pointer otherwise)
     y_rank_stride,
-    dest_rank_ptr,  # (L, T, K) int32 (presum reduce)
-    f32_anchor,  # this rank's arena as fp32 (presum)
-    off_slot_score,
-    off_token_slots,
-    off_token_tiles,
-    off_partials,
+    control_ptr,  # (L, CONTROL_WORDS) int64
+    arena,  # scoreboard.Arena
+    anchor_rank,
     rank_base,
-    token_capacity,
-    slot_capacity,
     do_fc2,
     do_send,
     do_reduce,
@@ -419,28 +342,15 @@ def fc2_combine_kernel(
     timeout,
     h_rows,  # rows of h and of w2 as (rows, H) matrices (TMA)
     w2_rows,
-    NUM_LOCAL: tl.constexpr,
-    DIM: tl.constexpr,
-    HIDDEN: tl.constexpr,
-    TOP_K: tl.constexpr,
-    SCORE_BEFORE: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    USE_TIMER: tl.constexpr,
-    STAGED: tl.constexpr,
-    DEFER_RELEASE: tl.constexpr,
-    PRESUM: tl.constexpr = False,
-    WORLD: tl.constexpr = 1,
-    KP: tl.constexpr = 1,
+    NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    KP: tl.constexpr,  # next power of two >= TOP_K
+    SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
+    STAGED: tl.constexpr = False, PRESUM: tl.constexpr = False, DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
 ):
+    EVEN_K: tl.constexpr = HIDDEN % BK == 0
+    EVEN_N: tl.constexpr = DIM % BN == 0
     col_blocks = tl.cdiv(DIM, BN)
     # TMA: fc2 reads h and w2 through tensor descriptors made once per program
     # (the same values as the pointer loads, so the same bits).
@@ -457,121 +367,86 @@ def fc2_combine_kernel(
     # in order and the GEMM programs (producers) must come first.
     send_only = STAGED & (tl.program_id(0) >= tl.num_programs(0) - num_send_programs)
     if (do_fc2 != 0) & (send_only == 0):
-        max_tiles = 0
-        for local in range(NUM_LOCAL):
-            max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
-        total = NUM_LOCAL * max_tiles * col_blocks
-        task = next_task(control_ptr, _CTL_FC2_TASKS)
+        total = NUM_LOCAL * max_over_ranks(route.num_tiles, NUM_LOCAL) * col_blocks
+        task = claim_task(control_ptr, _CTL_FC2_TASKS)
         while task < total:
-            local = task % NUM_LOCAL
-            rank = rank_base + local
-            control = control_ptr + local * _CONTROL_WORDS
-            num_tiles = tl.load(num_tiles_ptr + local)
-            rank_task = task // NUM_LOCAL
-            if (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0):
-                tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
-                expert = tl.load(tile_expert_ptr + local * tile_rank_stride + tile)
-                m0 = tl.load(tile_start_ptr + local * tile_rank_stride + tile)
-                m1 = tl.load(tile_end_ptr + local * tile_rank_stride + tile)
-                if m1 <= slot_capacity:
-                    if TMA:
-                        a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
-                        b_row = (local * (weight_rank_stride // HIDDEN).to(tl.int32) + expert * DIM
-                                 + col_block * BN)
-                        y = fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN, BM, BN, BK,
-                                         PRECISION).to(h_ptr.dtype.element_ty)
-                        offs_m = m0 + tl.arange(0, BM)
-                        mask_m = offs_m < m1
-                        offs_n = col_block * BN + tl.arange(0, BN)
-                        mask_n = offs_n < DIM
-                    else:
-                        expert_offset = (local.to(tl.int64) * weight_rank_stride
-                                         + expert.to(tl.int64) * DIM * HIDDEN)
-                        y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
-                            h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
-                            m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
-                        )
-                    if STAGED | PRESUM:
-                        staged = y_ptr + local.to(tl.int64) * y_rank_stride
-                        tl.store(staged + offs_m[:, None].to(tl.int64) * DIM + offs_n[None, :], y,
-                                 mask=mask_m[:, None] & mask_n[None, :])
-                        tl.debug_barrier()
-                        tile_done = arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_tile_done)
-                        tl.atomic_add(tile_done + tile, 1, sem="release", scope="gpu")
-                    else:
-                        if DEFER_RELEASE:
-                            release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor,
-                                                   anchor_rank, off_token_arrivals)
-                        source, token = store_rows_to_sources(
-                            y, offs_m, mask_m, offs_n, mask_n,
-                            arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
-                            arena_ptrs, act_anchor, anchor_rank, off_returned, token_capacity, DIM, TOP_K,
-                        )
-                        # Every thread's row stores before any arrival is released.
-                        tl.debug_barrier()
-                        pending_source, pending_token, pending = release_or_defer(
-                            source, token, mask_m, pending_source, pending_token, pending, arena_ptrs, i32_anchor,
-                            anchor_rank, off_token_arrivals, DEFER_RELEASE)
-            task = next_task(control_ptr, _CTL_FC2_TASKS)
+            ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
+                task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
+                NUM_LOCAL, GROUP_M, False, USE_TIMER)
+            if ready:
+                if TMA:
+                    a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
+                    b_row = (local * (weight_rank_stride // HIDDEN).to(tl.int32) + expert * DIM
+                             + col_block * BN)
+                    y = fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN, BM, BN, BK,
+                                     PRECISION).to(h_ptr.dtype.element_ty)
+                    offs_m = m0 + tl.arange(0, BM)
+                    mask_m = offs_m < m1
+                    offs_n = col_block * BN + tl.arange(0, BN)
+                    mask_n = offs_n < DIM
+                else:
+                    expert_offset = (local.to(tl.int64) * weight_rank_stride
+                                     + expert.to(tl.int64) * DIM * HIDDEN)
+                    y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
+                        h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
+                        m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
+                    )
+                if STAGED | PRESUM:
+                    staged = y_ptr + local.to(tl.int64) * y_rank_stride
+                    tl.store(staged + offs_m[:, None].to(tl.int64) * DIM + offs_n[None, :], y,
+                             mask=mask_m[:, None] & mask_n[None, :])
+                    tl.debug_barrier()
+                    tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
+                    tl.atomic_add(tile_done + tile, 1, sem="release", scope="gpu")
+                else:
+                    if DEFER_RELEASE:
+                        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+                    source, token = store_rows_to_sources(
+                        y, offs_m, mask_m, offs_n, mask_n,
+                        arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy), arena, anchor_rank,
+                        DIM, TOP_K,
+                    )
+                    # Every thread's row stores before any arrival is released.
+                    tl.debug_barrier()
+                    pending_source, pending_token, pending = release_or_defer(
+                        source, token, mask_m, pending_source, pending_token, pending, arena, anchor_rank,
+                        DEFER_RELEASE)
+            task = claim_task(control_ptr, _CTL_FC2_TASKS)
         if DEFER_RELEASE:
-            release_token_arrivals(pending_source, pending_token, pending, arena_ptrs, i32_anchor, anchor_rank,
-                                   off_token_arrivals)
+            release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
 
     if PRESUM:
         if do_send != 0:
-            max_tiles = 0
-            for local in range(NUM_LOCAL):
-                max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
-            total = NUM_LOCAL * max_tiles * (BM // BT)
-            task = next_task(control_ptr, _CTL_SEND_TASKS)
+            total = NUM_LOCAL * max_over_ranks(route.num_tiles, NUM_LOCAL) * (BM // BT)
+            task = claim_task(control_ptr, _CTL_SEND_TASKS)
             while task < total:
-                presum_task(
-                    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
-                    y_ptr, y_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_slot_copy,
-                    off_slot_score, off_token_arrivals, off_tile_done, off_token_slots, off_token_tiles, off_partials,
-                    token_capacity, slot_capacity, col_blocks, timeout,
-                    NUM_LOCAL, WORLD, DIM, TOP_K, KP, SCORE_BEFORE, BM, BT, BD, USE_TIMER,
-                )
-                task = next_task(control_ptr, _CTL_SEND_TASKS)
+                presum_task(task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks,
+                            timeout, NUM_LOCAL, WORLD, DIM, TOP_K, KP, SCORE_BEFORE, BM, BT, BD, USE_TIMER)
+                task = claim_task(control_ptr, _CTL_SEND_TASKS)
 
     if STAGED:
         if do_send != 0:
-            max_tiles = 0
-            for local in range(NUM_LOCAL):
-                max_tiles = tl.maximum(max_tiles, tl.load(num_tiles_ptr + local))
-            total = NUM_LOCAL * max_tiles
-            task = next_task(control_ptr, _CTL_SEND_TASKS)
+            total = NUM_LOCAL * max_over_ranks(route.num_tiles, NUM_LOCAL)
+            task = claim_task(control_ptr, _CTL_SEND_TASKS)
             while task < total:
-                send_task(
-                    task, rank_base, control_ptr, num_tiles_ptr, tile_start_ptr, tile_end_ptr, tile_rank_stride,
-                    y_ptr, y_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_slot_copy,
-                    off_returned, off_token_arrivals, off_tile_done, token_capacity, slot_capacity, col_blocks,
-                    timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER,
-                )
-                task = next_task(control_ptr, _CTL_SEND_TASKS)
+                send_task(task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks,
+                          timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER)
+                task = claim_task(control_ptr, _CTL_SEND_TASKS)
 
     if do_reduce != 0:
-        max_tokens = 0
-        for local in range(NUM_LOCAL):
-            max_tokens = tl.maximum(max_tokens, tl.load(num_tokens_ptr + local))
-        tasks_per_rank = tl.cdiv(max_tokens, BT)
+        tasks_per_rank = tl.cdiv(max_over_ranks(route.num_tokens, NUM_LOCAL), BT)
         total = NUM_LOCAL * tasks_per_rank
         if STAGED:
             arrivals_per_token = TOP_K
         else:
             arrivals_per_token = TOP_K * col_blocks
-        task = next_task(control_ptr, _CTL_REDUCE_TASKS)
+        task = claim_task(control_ptr, _CTL_REDUCE_TASKS)
         while task < total:
             if PRESUM:
-                presum_reduce_task(
-                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, dest_rank_ptr, route_rank_stride,
-                    out_ptr, out_rank_stride, arena_ptrs, i32_anchor, f32_anchor, anchor_rank, off_partials,
-                    off_token_arrivals, timeout, WORLD, DIM, TOP_K, KP, BT, BD, USE_TIMER,
-                )
+                presum_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, out_ptr, out_rank_stride,
+                                   arena, anchor_rank, timeout, WORLD, DIM, TOP_K, KP, BT, BD, USE_TIMER)
             else:
-                reduce_task(
-                    task, tasks_per_rank, rank_base, control_ptr, num_tokens_ptr, scores_ptr, route_rank_stride,
-                    out_ptr, out_rank_stride, arena_ptrs, act_anchor, i32_anchor, anchor_rank, off_returned,
-                    off_token_arrivals, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD, USE_TIMER,
-                )
-            task = next_task(control_ptr, _CTL_REDUCE_TASKS)
+                reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride,
+                            arena, anchor_rank, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD,
+                            USE_TIMER)
+            task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

@@ -9,7 +9,9 @@ version stays the one definition and the oracle):
 1. ``route_histogram_kernel`` (grid: copy blocks x local ranks): copies per
    expert in each block of ``BLOCK`` flat copy ids ``j = t * K + k``, into
    ``block_counts`` ``(NB, E) int32``.
-2. ``exchange_counts_kernel`` (``kernels.sync``) calls two helpers from here:
+2. ``exchange_counts_kernel`` (one program per local rank): publishes this
+   rank's per-expert counts into every peer's arena and collects theirs
+   (epoch-tagged flags, bounded waits), using two helpers:
    ``scan_block_counts`` turns ``block_counts`` into exclusive prefix sums
    over blocks in place and returns the per-expert totals it publishes, and
    ``write_route_tables`` turns the exchanged ``(W, E)`` table into the
@@ -35,6 +37,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .scoreboard import (
+    CONTROL_WORDS,
+    CTL_EPOCH,
+    CTL_ERROR,
+    WAIT_COUNTS_FLAG,
+    arena_ptr,
+    record_failure,
+    wait_counter_at_least,
+)
+
 ROW_SLOT_BASE, ROW_SRC_PREFIX, ROW_TILE_BASE, ROW_EXPERT_BASE, ROW_ROWS = range(5)
 ROUTE_TABLE_ROWS = 5
 # The exchange holds one row of all experts in registers.
@@ -46,6 +58,10 @@ _ROW_TILE_BASE = tl.constexpr(ROW_TILE_BASE)
 _ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
 _ROW_ROWS = tl.constexpr(ROW_ROWS)
 _ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
+_CTL_EPOCH = tl.constexpr(CTL_EPOCH)
+_CTL_ERROR = tl.constexpr(CTL_ERROR)
+_CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+_WAIT_COUNTS_FLAG = tl.constexpr(WAIT_COUNTS_FLAG)
 
 
 def route_block(num_experts: int) -> int:
@@ -162,7 +178,7 @@ def write_route_tables(
     and (``TILE_ORDER``) ``tile_order``: a permutation of the tile ids that puts
     first the tiles of the first ``own_experts`` local experts whose rows all
     come from this rank itself, then the others, each in id order, for
-    ``KernelConfig.local_first`` (a schedule choice: where rows sit is
+    ``LayerParams.local_first`` (a schedule choice: where rows sit is
     unchanged)."""
     NUM_LOCAL: tl.constexpr = NUM_EXPERTS // WORLD
     experts = tl.arange(0, EP)
@@ -318,3 +334,104 @@ def route_layout_kernel(
         tl.store(dest_rank_ptr + out, tl.where(valid, expert // NUM_LOCAL, -1), mask=mask)
         tl.store(dest_slot_ptr + out, tl.where(valid, slot, -1), mask=mask)
         tl.store(dest_tile_ptr + out, tl.where(valid, tile, 0), mask=mask)
+
+
+@triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout", "own_experts"])
+def exchange_counts_kernel(
+    block_counts_ptr,  # (L, NB, E) int32: per-block histograms in, exclusive prefixes out (kernels.route)
+    block_rank_stride,
+    counts_all_ptr,  # (L, W, E) int64 out: the exchanged table, identical on every rank
+    route,  # scoreboard.Route: num_tokens in; tables, tile_expert/start/end, num_tiles, tile_order out
+    control_ptr,  # (L, CONTROL_WORDS) int64
+    arena,  # scoreboard.Arena
+    anchor_rank,
+    rank_base,
+    timeout,
+    own_experts,  # tile_order (TILE_ORDER): local experts whose own-rows tiles go first
+    WORLD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    TILE_CAPACITY: tl.constexpr,
+    TOKEN_CAPACITY: tl.constexpr,
+    PUBLISH: tl.constexpr,
+    COLLECT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+    TOP_K: tl.constexpr,
+    EP: tl.constexpr,  # next power of two >= NUM_EXPERTS
+    ELP: tl.constexpr,  # next power of two >= NUM_EXPERTS // WORLD
+    BM: tl.constexpr,  # rows per GEMM tile
+    ROUTE_BLOCK: tl.constexpr,  # copies per block of block_counts
+    SB: tl.constexpr,  # blocks per step of the scan
+    CB: tl.constexpr,  # tiles per step of the tile table
+    TILE_ORDER: tl.constexpr = False,  # also write tile_order (LayerParams.local_first)
+):
+    """One program per local rank.
+
+    PUBLISH: start a new call. Zero this rank's scoreboard (its arrival
+    counters and task counters: every peer bump of the previous call has
+    landed, since this rank waited for all of them), bump the epoch, write
+    this rank's counts into every rank's table ``[epoch % 2][rank]``, then
+    release its flag there with the epoch. The release also orders the zeroing
+    before any peer's next bump. Two tables, by epoch parity: a peer may
+    publish call N+1 while this rank still reads call N's table, never N+2
+    (publishing N+2 needs this rank's flag of N+1).
+
+    Its counts are the totals of the per-block histograms of
+    ``route_histogram_kernel``, which the scan turns into exclusive prefix
+    sums in place (``route_layout_kernel`` reads them).
+
+    COLLECT: wait (bounded) until every rank's flag shows this epoch, then copy
+    the table out and derive the per-expert route tables and this rank's
+    receive tiles from it (``write_route_tables``). A real rank does both in one
+    launch; the simulated world runs PUBLISH for all ranks, then COLLECT, so no
+    program waits on a later one.
+    """
+    local = tl.program_id(0)
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    offs = tl.arange(0, BLOCK)
+    if PUBLISH:
+        tile_arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals)
+        for i in range(0, TILE_CAPACITY, BLOCK):
+            tl.store(tile_arrivals + i + offs, 0, mask=i + offs < TILE_CAPACITY)
+        token_arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals)
+        for i in range(0, TOKEN_CAPACITY, BLOCK):
+            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_CAPACITY)
+        tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
+        for i in range(0, TILE_CAPACITY, BLOCK):
+            tl.store(tile_done + i + offs, 0, mask=i + offs < TILE_CAPACITY)
+        tl.store(control + offs, 0, mask=(offs < _CTL_ERROR) & (offs != _CTL_EPOCH))  # every task counter
+        epoch = tl.load(control + _CTL_EPOCH) + 1
+        tl.store(control + _CTL_EPOCH, epoch)
+        parity = epoch % 2
+        num_blocks = tl.cdiv(tl.load(route.num_tokens + local) * TOP_K, ROUTE_BLOCK)
+        counts = scan_block_counts(block_counts_ptr + local.to(tl.int64) * block_rank_stride, num_blocks,
+                                   NUM_EXPERTS, EP, SB).to(tl.int64)
+        experts = tl.arange(0, EP)
+        for peer in range(WORLD):
+            table = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.counts)
+            row = table + (parity * WORLD + rank) * NUM_EXPERTS
+            tl.store(row + experts, counts, mask=experts < NUM_EXPERTS)
+        tl.debug_barrier()
+        for peer in range(WORLD):
+            flags = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.count_flags)
+            tl.atomic_xchg(flags + parity * WORLD + rank, epoch, sem="release", scope="sys")
+    if COLLECT:
+        epoch = tl.load(control + _CTL_EPOCH)
+        parity = epoch % 2
+        flags = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.count_flags) + parity * WORLD
+        for source in range(WORLD):
+            seen = wait_counter_at_least(flags + source, epoch, timeout, USE_TIMER)
+            if seen < epoch:
+                record_failure(control, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen)
+        table = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.counts) + parity * WORLD * NUM_EXPERTS
+        total: tl.constexpr = WORLD * NUM_EXPERTS
+        for i in range(0, total, BLOCK):
+            value = tl.load(table + i + offs, mask=i + offs < total, cache_modifier=".cg")
+            tl.store(counts_all_ptr + local * total + i + offs, value, mask=i + offs < total)
+        write_route_tables(
+            table, rank, route.tables + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS),
+            route.tile_expert + local * TILE_CAPACITY, route.tile_start + local * TILE_CAPACITY,
+            route.tile_end + local * TILE_CAPACITY, route.num_tiles + local, route.tile_order + local * TILE_CAPACITY,
+            own_experts, WORLD, NUM_EXPERTS, EP, ELP, BM, TILE_CAPACITY, CB, TILE_ORDER,
+        )

@@ -1,6 +1,6 @@
-"""Expert weight gradients of the backward, outside the communication megakernels.
+"""wgrad: the expert weight gradients of the backward, outside the communication megakernels.
 
-They need no cross-rank traffic once megakernel BA has run (the ``[x | dOut]``
+They need no cross-rank traffic once dispatch_dh has run (the ``[x | dOut]``
 rows have arrived and ``dh1``/``dh3``/``h`` are stored per slot), so they run
 as their own launches with their own tiles, identically in both schedules
 (bitwise equal weight gradients):
@@ -14,9 +14,9 @@ as their own launches with their own tiles, identically in both schedules
    ``dW2 = dys^T h`` ``(D, H)``: on the GPU in bf16 by ``torch._grouped_mm``
    (groups along the rows, TorchTitan's own weight-gradient GEMM; each output
    tile reduces over all of its expert's rows in one pass, no split-K, no
-   atomics), elsewhere by ``expert_weight_grad_kernel`` below.
+   atomics), elsewhere by ``wgrad_kernel`` below.
 
-``expert_weight_grad_kernel``: one program per ``BM x BN`` output block of one
+``wgrad_kernel``: one program per ``BM x BN`` output block of one
 expert, looping over ALL the expert's rows in slot order, ``BK`` rows a step,
 in fp32. With ``TMA`` the operands are read through tensor descriptors made
 on the device over the expert's own rows (the copy engine zero-fills rows
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .route import local_expert_rows, used_slots
-from .sync import arena_ptr
+from .scoreboard import arena_ptr
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def copy_slot_rows(tokens, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo,
     score, rounded, when scores come before the experts: the forward's fc1
     operand) and dOut rows, from the de-duplicated ``[x | dOut]`` token rows
     into ``xs``/``dys`` ``(S, D)`` in slot order. Used by the gather kernel
-    below and by megakernel BA's dH tasks (``BACKWARD_TILES["dh_copies_rows"]``)."""
+    below and by dispatch_dh's dH tasks (``LayerParams.dh_copies_rows``)."""
     copy = tl.load(slot_copy + offs_s, mask=mask_s, other=0, cache_modifier=".cg")
     rows = tokens + (copy // TOP_K).to(tl.int64)[:, None] * (2 * DIM)
     if SCORE_BEFORE:
@@ -62,16 +62,9 @@ def copy_slot_rows(tokens, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo,
 def gather_slot_rows_kernel(
     out_ptr,  # (L, 2, S, D): [xs, dys]
     tables_ptr,  # (L, ROUTE_TABLE_ROWS, E) int32
-    arena_ptrs,
-    act_anchor,
-    i32_anchor,
-    f32_anchor,
+    arena,  # scoreboard.Arena (tokens: (W * T_cap, 2D) [x | dOut] token rows)
     anchor_rank,
-    off_tokens,  # (W * T_cap, 2D) [x | dOut] token rows
-    off_slot_copy,
-    off_slot_score,
     rank_base,
-    slot_capacity,
     DIM: tl.constexpr,
     TOP_K: tl.constexpr,
     NUM_EXPERTS_LOCAL: tl.constexpr,
@@ -88,12 +81,12 @@ def gather_slot_rows_kernel(
     s0 = tl.program_id(0) * BS
     if s0 < used:
         offs_s = s0 + tl.arange(0, BS)
-        capacity = local.to(tl.int64) * 0 + slot_capacity  # int64 from here: S * D may pass 2**31
+        capacity = local.to(tl.int64) * 0 + arena.slot_capacity  # int64 from here: S * D may pass 2**31
         xs = out_ptr + local * 2 * capacity * DIM
         copy_slot_rows(
-            arena_ptr(act_anchor, arena_ptrs, anchor_rank, rank, off_tokens),
-            arena_ptr(i32_anchor, arena_ptrs, anchor_rank, rank, off_slot_copy),
-            arena_ptr(f32_anchor, arena_ptrs, anchor_rank, rank, off_slot_score),
+            arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens),
+            arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy),
+            arena_ptr(arena.f32, arena, anchor_rank, rank, arena.slot_score),
             xs, xs + capacity * DIM, offs_s, offs_s < used, 0, DIM, DIM, TOP_K, SCORE_BEFORE, BD,
         )
 
@@ -137,7 +130,7 @@ def _descriptor(ptr, lo, rows, stride, col0, COLS: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit(do_not_specialize=["rank_base"])
-def expert_weight_grad_kernel(
+def wgrad_kernel(
     a1_ptr,  # (L, S, M) first A operand
     a2_ptr,  # (L, S, M) second A operand (TWO_A)
     a_stride,  # row stride of A

@@ -1,4 +1,4 @@
-"""The schedules of one MoE layer's expert-parallel path.
+"""The reference schedule: torch collectives into UniEP's layout.
 
 A schedule maps this rank's tokens, their routing and this rank's local
 expert weights to the combined routed-expert output of its tokens:
@@ -16,15 +16,14 @@ Every schedule places rows with ``titan_uniep.layout`` and nothing else.
   one matmul per local expert, autograd through torch. Runs anywhere; the
   oracle the kernels are tested against. It synchronises with the host once
   per layer (the all-to-all split sizes), like TorchTitan's own EP.
-- ``sequential`` / ``fused``: UniEP's Triton kernels (``titan_uniep.fused``),
-  registered by ``titan_uniep.ops`` as a custom op with autograd.
+- ``sequential`` / ``fused`` (``schedules.kernel``): UniEP's Triton kernels
+  (``titan_uniep.runtime``) behind the custom op of ``titan_uniep.op``.
+
+This module imports no Triton: a run with ``schedule = "reference"`` never
+loads the kernels (or sets ``TRITON_INTERPRET``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-import importlib.util
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,54 +32,9 @@ from torch.distributed._functional_collectives import all_gather_tensor, all_to_
 
 from titan_uniep.layout import compute_layout, count_per_expert
 
-__all__ = [
-    "Routing",
-    "Schedule",
-    "available_schedules",
-    "combine_over_k",
-    "exchange_counts",
-    "get_schedule",
-    "reference_schedule",
-    "register_schedule",
-]
+from titan_uniep.schedules.interface import Routing
 
-
-class Routing:
-    """The router's decision for this rank's ``T`` tokens.
-
-    - ``top_scores``: ``(T, K)`` float32 gating scores.
-    - ``selected_experts_indices``: ``(T, K)`` int64 global expert ids.
-
-    A plain class on purpose, not a tuple or dataclass: FSDP2's mixed
-    precision casts floating-point tensors it finds in a module's forward
-    arguments (tuples, lists, dicts and dataclasses included) to the param
-    dtype, and TorchTitan applies router scores in float32.
-    """
-
-    __slots__ = ("top_scores", "selected_experts_indices")
-
-    def __init__(self, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor):
-        if top_scores.shape != selected_experts_indices.shape or top_scores.dim() != 2:
-            raise ValueError(
-                "top_scores and selected_experts_indices must both be (T, K); got "
-                f"{tuple(top_scores.shape)} and {tuple(selected_experts_indices.shape)}"
-            )
-        self.top_scores = top_scores
-        self.selected_experts_indices = selected_experts_indices
-
-
-class Schedule(Protocol):
-    def __call__(
-        self,
-        x: torch.Tensor,
-        routing: Routing,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        w3: torch.Tensor,
-        *,
-        group: dist.ProcessGroup,
-        score_before_experts: bool,
-    ) -> torch.Tensor: ...
+__all__ = ["combine_over_k", "exchange_counts", "expert_ffn", "reference_schedule"]
 
 
 def combine_over_k(rows: torch.Tensor, top_scores: torch.Tensor, score_before_experts: bool, out_dtype: torch.dtype) -> torch.Tensor:
@@ -168,39 +122,3 @@ def reference_schedule(
     copy_to_back[layout.send_order] = torch.arange(layout.send_order.numel(), device=x.device)
     rows = back[copy_to_back].view(num_tokens, top_k, -1)
     return combine_over_k(rows, top_scores, score_before_experts, x.dtype)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    fn: Schedule
-    needs_cuda: bool
-
-
-_SCHEDULES: dict[str, _Entry] = {"reference": _Entry(reference_schedule, needs_cuda=False)}
-
-
-def register_schedule(name: str, fn: Schedule, *, needs_cuda: bool) -> None:
-    """Make ``[uniep] schedule = name`` run ``fn`` (the kernels register theirs)."""
-    _SCHEDULES[name] = _Entry(fn, needs_cuda)
-
-
-def available_schedules() -> dict[str, bool]:
-    """Registered schedule names -> whether each needs CUDA."""
-    _load_kernel_schedules()
-    return {name: entry.needs_cuda for name, entry in _SCHEDULES.items()}
-
-
-def get_schedule(name: str) -> Schedule:
-    _load_kernel_schedules()
-    if name not in _SCHEDULES:
-        raise ValueError(
-            f"[uniep] schedule = {name!r} is not available in this build; available: {sorted(_SCHEDULES)}"
-        )
-    return _SCHEDULES[name].fn
-
-
-def _load_kernel_schedules() -> None:
-    # The kernel schedules register themselves when titan_uniep.ops is
-    # imported; importing lazily keeps the reference path free of Triton.
-    if importlib.util.find_spec("titan_uniep.ops") is not None:
-        import titan_uniep.ops  # noqa: F401

@@ -1,4 +1,4 @@
-"""The symmetric-memory workspace of UniEP's forward kernels.
+"""The symmetric-memory workspaces of UniEP's kernels, forward and backward.
 
 One object per EP group owns every buffer the kernels exchange through:
 allocated once (never inside CUDA-graph capture), reused by every MoE layer
@@ -41,7 +41,7 @@ layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
 
 Flags are never reset by a memset-and-barrier: each call's exchange bumps a
 per-rank epoch, publishes its counts tagged with it, and zeroes this rank's
-own arrival counters before releasing them (see ``kernels.sync``).
+own arrival counters before releasing them (see ``kernels.scoreboard``).
 
 Two ways to build one:
 
@@ -69,7 +69,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .kernels.sync import (
+from ..kernels.route import MAX_EXPERTS, ROUTE_TABLE_ROWS, num_route_blocks
+from ..kernels.scoreboard import (
     BAD_SLOT,
     CONTROL_WORDS,
     CTL_EPOCH,
@@ -79,12 +80,13 @@ from .kernels.sync import (
     WAIT_TILE_DONE,
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
+    Arena,
+    Route,
 )
-from .kernels.route import MAX_EXPERTS, ROUTE_TABLE_ROWS, num_route_blocks
-from .kernels.tuning import KernelConfig, default_config
-from .layout import slot_capacity, tile_capacity
+from ..layout import slot_capacity, tile_capacity
+from ..params import LayerParams, default_params
 
-__all__ = ["WorkspaceShape", "Workspace", "memory_bytes"]
+__all__ = ["BackwardWorkspace", "Workspace", "WorkspaceShape", "memory_bytes"]
 
 _ALIGN = 256
 # Element type of each arena buffer (None: the activation dtype).
@@ -184,13 +186,19 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-_WHAT = {
+_FORWARD_WAITS = {
     WAIT_COUNTS_FLAG: "the counts exchange, waiting for rank {index}'s per-expert counts (count_flags[{index}])",
-    WAIT_TILE_ROWS: "megakernel A (fc1), waiting for the dispatched rows of tile {index} (tile_arrivals[{index}])",
-    WAIT_TOKEN_ROWS: "megakernel B (combine), waiting for token {index}'s expert outputs (token_arrivals[{index}])",
-    WAIT_TILE_DONE: "megakernel B (combine send / presum), waiting for fc2 of tile {index} (tile_done[{index}])",
-    BAD_SLOT: "megakernel A (dispatch): token {index} has a copy whose slot is outside the receive buffer "
+    WAIT_TILE_ROWS: "dispatch_fc1 (fc1 tile), waiting for the dispatched rows of tile {index} (tile_arrivals[{index}])",
+    WAIT_TOKEN_ROWS: "fc2_combine (reduce), waiting for token {index}'s expert outputs (token_arrivals[{index}])",
+    WAIT_TILE_DONE: "fc2_combine (send / presum), waiting for fc2 of tile {index} (tile_done[{index}])",
+    BAD_SLOT: "dispatch_fc1 (dispatch): token {index} has a copy whose slot is outside the receive buffer "
     "(a token routed to the same expert twice, or a corrupted counts table)",
+}
+_BACKWARD_WAITS = {
+    WAIT_COUNTS_FLAG: "the backward counts exchange, waiting for rank {index}'s counts (count_flags[{index}])",
+    WAIT_TILE_ROWS: "dispatch_dh (dH tile), waiting for the dispatched [x | dOut] rows of tile {index}",
+    WAIT_TOKEN_ROWS: "da_combine (reduce), waiting for token {index}'s dA rows (token_arrivals[{index}])",
+    BAD_SLOT: "dispatch_dh (dispatch): token {index} has a copy whose slot is outside the receive buffer",
 }
 
 
@@ -199,7 +207,7 @@ class Workspace:
     ``for_group`` or ``simulated``; never inside CUDA-graph capture."""
 
     def __init__(self, *, shape: WorkspaceShape, rank_base: int, num_local_ranks: int, device: torch.device,
-                 config: KernelConfig, group: dist.ProcessGroup | None):
+                 params: LayerParams, group: dist.ProcessGroup | None):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("UniEP Workspace must be built before CUDA-graph capture, not inside it")
         if shape.dtype not in SUPPORTED_DTYPES:
@@ -208,16 +216,16 @@ class Workspace:
             raise ValueError(f"num_experts ({shape.num_experts}) must be divisible by the EP size ({shape.world_size})")
         if shape.num_experts > MAX_EXPERTS:
             raise ValueError(f"UniEP kernels support at most {MAX_EXPERTS} experts, got {shape.num_experts}")
-        if config.block_m != shape.block_m:
-            raise ValueError("shape.block_m must equal config.block_m")
+        if params.block_m != shape.block_m:
+            raise ValueError(f"shape.block_m ({shape.block_m}) must equal params.block_m ({params.block_m})")
         self.shape = shape
         self.rank_base = rank_base
         self.num_local_ranks = num_local_ranks
         self.device = device
-        self.config = config
+        self.params = params
         self.group = group
         # Which pass's kernels use it and what their waits mean (error messages).
-        self.error_context: tuple[str, dict[int, str]] = ("forward", _WHAT)
+        self.error_context: tuple[str, dict[int, str]] = ("forward", _FORWARD_WAITS)
         self._allocate()
 
     # ---- construction -------------------------------------------------
@@ -225,32 +233,34 @@ class Workspace:
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, *, num_tokens: int, dim: int, hidden: int, num_experts: int,
                   top_k: int, dtype: torch.dtype, device: torch.device | int | None = None,
-                  config: KernelConfig | None = None) -> "Workspace":
+                  params: LayerParams | None = None) -> "Workspace":
         """Real EP: collective over ``group`` (every rank calls it with the same
-        arguments). ``num_tokens``: the token capacity per rank."""
+        arguments). ``num_tokens``: the token capacity per rank. ``params``:
+        the default of every call on it (``params.default_params`` of the EP
+        size and shape if None); its ``block_m`` and ``combine`` size buffers."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device("cuda", device) if isinstance(device, int) else device
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"UniEP real EP needs an explicit CUDA device (cuda:N), got {device}")
         world_size = dist.get_world_size(group)
-        config = config or default_config(world_size)
-        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, config.block_m,
-                               config.combine == "staged", config.combine == "presum")
-        return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, config=config,
+        params = params or default_params(world_size, hidden=hidden)
+        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
+                               params.combine == "staged", params.combine == "presum")
+        return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, params=params,
                    group=group)
 
     @classmethod
     def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
                   dtype: torch.dtype, device: torch.device | str = "cpu",
-                  config: KernelConfig | None = None) -> "Workspace":
+                  params: LayerParams | None = None) -> "Workspace":
         """All ``world_size`` ranks' buffers in this process (one launch runs
-        the whole world)."""
-        config = config or default_config(world_size)
-        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, config.block_m,
-                               config.combine == "staged", config.combine == "presum")
+        the whole world); ``params`` as ``for_group``."""
+        params = params or default_params(world_size, hidden=hidden)
+        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
+                               params.combine == "staged", params.combine == "presum")
         return cls(shape=shape, rank_base=0, num_local_ranks=world_size, device=torch.device(device),
-                   config=config, group=None)
+                   params=params, group=None)
 
     def _allocate(self) -> None:
         shape, n, dev = self.shape, self.num_local_ranks, self.device
@@ -303,6 +313,20 @@ class Workspace:
         self.num_tiles = torch.zeros(n, dtype=torch.int32, device=dev)
         self.tile_order = torch.zeros(n, c, dtype=torch.int32, device=dev)  # own-rows tiles first (local_first)
         self.control = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, device=dev)
+        off = self.element_offsets
+        # The packed kernel arguments (kernels.scoreboard).
+        self.arena_args = Arena(
+            self.arena_ptrs, self.anchors[shape.dtype], self.anchors[torch.int32], self.anchors[torch.float32],
+            self.anchors[torch.int64], off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
+            off["returned"], self.offsets["returned"] // 4, off["token_arrivals"], off["tile_done"], off["counts"],
+            off["count_flags"], off["token_slots"], off["token_tiles"], off["partials"], shape.token_capacity,
+            shape.slot_capacity, shape.tile_capacity,
+        )
+        self.route_args = Route(
+            self.dest_rank, self.dest_slot, self.dest_tile, self.dest_rank.stride(0), self.num_tokens,
+            self.tile_expert, self.tile_start, self.tile_end, self.tile_order, self.tile_expert.stride(0),
+            self.num_tiles, self.route_tables,
+        )
         pinned = dev.type == "cuda"
         self._error_host = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, pin_memory=pinned)
         self._error_event = torch.cuda.Event() if pinned else None
@@ -375,13 +399,13 @@ class Workspace:
             if rec["flag"]:
                 role, descriptions = self.error_context
                 what = descriptions.get(rec["what"], "an unknown wait ({what})").format(**rec)
-                timeout = (f"{self.config.timeout_s:g} s" if self.device.type == "cuda"
-                           else f"{self.config.interpreter_max_spins} polls")
+                timeout = (f"{self.params.timeout_s:g} s" if self.device.type == "cuda"
+                           else f"{self.params.interpreter_max_spins} polls")
                 raise RuntimeError(
                     f"UniEP {role} failed on EP rank {rec['rank']} (call epoch {rec['epoch']}, task {rec['task']}): "
                     f"{what}; expected {rec['expected']}, saw {rec['seen']} after {timeout}. A peer rank did not "
                     f"reach this MoE layer or stopped sending (see the other ranks' errors). This workspace is "
-                    f"unusable now; rebuild it (or raise KernelConfig.timeout_s if a peer is merely slow)."
+                    f"unusable now; rebuild it (or raise LayerParams.timeout_s if a peer is merely slow)."
                 )
 
     def check_errors(self) -> None:
@@ -408,3 +432,128 @@ class Workspace:
         self._error_host.copy_(self.control, non_blocking=True)  # whole rows: one contiguous async copy
         self._error_event.record()
         self._error_poll_pending = True
+
+
+class BackwardWorkspace:
+    """Buffers of the backward of one EP group, by composition: a ``Workspace``
+    built for rows of ``2 * D`` (its ``tokens`` hold ``[x | dOut]`` rows, its
+    ``returned`` rows hold dA and the fp32 router-score gradient; its route
+    arrays hold the call's layout), plus local ``dh1``/``dh3`` ``(L, S, H)``
+    next to its ``h``, the router-score partials ``ds_parts``
+    ``(L, S, cdiv(H, dh))`` fp32 (``dh`` the dH tile width, ``LayerParams.dh_block_n``)
+    and ``slot_rows`` ``(L, 2, S, D)``: each slot's x and dOut rows in slot
+    order, the weight gradients' dense operands.
+
+    Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
+    element): symmetric ``2 * W * T * D * b`` (token rows) + ``2 * T * K * D * b``
+    (returned) + small index/flag buffers; local ``3 * S * H * b`` +
+    ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + the route
+    arrays, and ``4 * S * H`` (``g32``, once a call had saved h1 | h3). Build
+    it before CUDA-graph capture; reuse it for every layer and step.
+    """
+
+    def __init__(self, inner: Workspace, dim: int):
+        self.inner = inner
+        self.dim = dim
+        inner.error_context = ("backward", _BACKWARD_WAITS)
+        self._allocate_local()
+
+    def _allocate_local(self) -> None:
+        inner = self.inner
+        self.dh1 = torch.empty_like(inner.h)
+        self.dh3 = torch.empty_like(inner.h)
+        parts = -(-inner.shape.hidden // inner.params.dh_block_n)
+        self.ds_parts = torch.empty(inner.num_local_ranks, inner.shape.slot_capacity, parts, dtype=torch.float32,
+                                    device=inner.device)
+        self.slot_rows = torch.empty(inner.num_local_ranks, 2, inner.shape.slot_capacity, self.dim,
+                                     dtype=inner.shape.dtype, device=inner.device)
+        self.g32 = None  # (L, S, H) fp32, allocated by the first call with saved h1 | h3
+
+    def g32_buffer(self) -> torch.Tensor:
+        """G = dOut @ w2 per slot in fp32 (the dH tiles' output when h1 | h3 are
+        saved; ``swiglu_backward_kernel`` reads it). Allocated on first use."""
+        if self.g32 is None:
+            inner = self.inner
+            if inner.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("BackwardWorkspace: call once with saved h1 | h3 outside CUDA-graph capture first")
+            self.g32 = torch.empty(inner.h.shape, dtype=torch.float32, device=inner.device)
+        return self.g32
+
+    def ds_parts_for(self, col_blocks: int) -> torch.Tensor:
+        """The score-partial buffer for dH tiles of ``col_blocks`` column blocks
+        (reallocated when a call's tiles differ from the workspace config's)."""
+        if self.ds_parts.shape[2] != col_blocks:
+            if self.inner.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("BackwardWorkspace: call once outside CUDA-graph capture with these tiles first")
+            self.ds_parts = self.ds_parts.new_empty(self.ds_parts.shape[0], self.ds_parts.shape[1], col_blocks)
+        return self.ds_parts
+
+    @classmethod
+    def for_group(cls, group, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, device=None, params: LayerParams | None = None) -> "BackwardWorkspace":
+        """Real EP: collective over ``group`` (same arguments on every rank)."""
+        params = _direct(params, dist.get_world_size(group), hidden)
+        inner = Workspace.for_group(group, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                    num_experts=num_experts, top_k=top_k, dtype=dtype, device=device, params=params)
+        return cls(inner, dim)
+
+    @classmethod
+    def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, device="cpu", params: LayerParams | None = None) -> "BackwardWorkspace":
+        """Every rank's buffers in this process (one launch runs the world)."""
+        inner = Workspace.simulated(world_size, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                    num_experts=num_experts, top_k=top_k, dtype=dtype, device=device,
+                                    params=_direct(params, world_size, hidden))
+        return cls(inner, dim)
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.inner.is_simulated
+
+    def memory_bytes(self) -> dict[str, int]:
+        sizes = self.inner.memory_bytes()
+        sizes["dh1"] = sizes["dh3"] = sizes["h"]
+        sizes["ds_parts"] = self.ds_parts[0].numel() * 4
+        sizes["slot_rows"] = self.slot_rows[0].numel() * self.slot_rows.element_size()
+        sizes["g32"] = 0 if self.g32 is None else self.g32[0].numel() * 4
+        sizes["total"] += 2 * sizes["h"] + sizes["ds_parts"] + sizes["slot_rows"] + sizes["g32"]
+        return sizes
+
+    def ensure_capacity(self, num_tokens: int) -> bool:
+        """Grow for ``num_tokens`` tokens per rank (collective in real EP; a
+        host sync: call it between steps, see ``Workspace.ensure_capacity``)."""
+        grew = self.inner.ensure_capacity(num_tokens)
+        if grew:
+            self._allocate_local()
+        return grew
+
+    def poison(self) -> None:
+        """NaN into every data buffer (tests)."""
+        self.inner.poison()
+        s = self.inner.shape
+        for local in range(self.inner.num_local_ranks):
+            self.inner.arena_view(local, "slot_copy", torch.int32, (s.slot_capacity,)).fill_(-1)
+        self.dh1.fill_(float("nan"))
+        self.dh3.fill_(float("nan"))
+        self.ds_parts.fill_(float("nan"))
+        self.slot_rows.fill_(float("nan"))
+        if self.g32 is not None:
+            self.g32.fill_(float("nan"))
+
+    def check_errors(self) -> None:
+        """Raise RuntimeError if a backward kernel of this rank timed out (syncs)."""
+        self.inner.check_errors()
+
+    def poll_errors(self) -> None:
+        """Raise if a queued copy of the error record shows a failure (no sync;
+        see ``Workspace.poll_errors``)."""
+        self.inner.poll_errors()
+
+
+def _direct(params: LayerParams | None, world_size: int, hidden: int) -> LayerParams:
+    # The backward combines directly (no y, partials... buffers in its workspace).
+    return (params or default_params(world_size, hidden=hidden)).replace(combine="direct")

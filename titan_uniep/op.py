@@ -2,12 +2,12 @@
 
 ``torch.ops.uniep.moe_experts`` runs one MoE layer's routed-expert path
 (dispatch, expert FFN, combine) with the ``"sequential"`` or ``"fused"``
-kernels of ``titan_uniep.fused`` on real EP (one process per GPU). Being a
+kernels of ``titan_uniep.runtime`` on real EP (one process per GPU). Being a
 custom op makes it opaque to ``torch.compile`` (the rest of the model still
 compiles) and lets selective activation checkpointing save its output
 (``titan_uniep.parallelize`` adds it to TorchTitan's SAC save list).
 
-Backward: the backward megakernels of ``titan_uniep.fused_backward`` with
+Backward: the backward kernels of ``titan_uniep.runtime.backward`` with
 the same schedule as the forward. The op's second output is each receive
 slot's h1 | h3 (``slot_capacity x 2H`` in the activation dtype, written by
 the forward megakernel), which autograd keeps for the backward, as
@@ -31,11 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from titan_uniep.fused import moe_forward
-from titan_uniep.fused_backward import BackwardWorkspace, moe_backward
 from titan_uniep.layout import slot_capacity
-from titan_uniep.schedules import Routing, register_schedule
-from titan_uniep.symm import Workspace
+from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
 
 __all__ = ["moe_experts", "reserve_tokens", "workspace_for"]
 
@@ -76,7 +73,7 @@ def workspace_for(
         # cannot make its peers join, so fail clearly instead of hanging.
         raise RuntimeError(
             f"UniEP workspace holds {capacity} tokens per rank, this MoE call has {num_tokens}. "
-            "Call titan_uniep.ops.reserve_tokens(ep_group, N) on every rank before the first step, "
+            "Call titan_uniep.op.reserve_tokens(ep_group, N) on every rank before the first step, "
             "or Workspace.ensure_capacity(N) on every rank between steps."
         )
     return ws
@@ -94,7 +91,7 @@ def moe_experts(
     schedule: str,
     score_before_experts: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.fused)
+    """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.runtime.forward)
     and the receive slots' h1 | h3 ``(slot_capacity, 2H)`` (for the backward only)."""
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1])
     h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
@@ -144,19 +141,3 @@ def _backward(ctx, grad_out: torch.Tensor, _grad_h13: torch.Tensor | None):
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _kernel_schedule(name: str):
-    def run(x, routing: Routing, w1, w2, w3, *, group: dist.ProcessGroup, score_before_experts: bool) -> torch.Tensor:
-        out, _h13 = torch.ops.uniep.moe_experts(
-            x, routing.top_scores, routing.selected_experts_indices, w1, w2, w3,
-            group.group_name, name, score_before_experts,
-        )
-        return out
-
-    run.__name__ = f"{name}_schedule"
-    return run
-
-
-register_schedule("sequential", _kernel_schedule("sequential"), needs_cuda=True)
-register_schedule("fused", _kernel_schedule("fused"), needs_cuda=True)

@@ -1,9 +1,9 @@
-"""Ordered pure-PyTorch references for UniEP's forward (used by tests and the
+"""Ordered pure-PyTorch oracles of UniEP's forward (used by tests and the
 benchmark's ``--check``).
 
-- ``float64_moe_reference``: the math itself, in float64, straight from the
+- ``float64_moe_oracle``: the math itself, in float64, straight from the
   global expert weights; no layout, no exchange. The oracle for "close".
-- ``layout_reference_forward``: a simulated world that places every copy with
+- ``layout_oracle_forward``: a simulated world that places every copy with
   ``titan_uniep.layout`` and rounds exactly where the kernels round
   (activation dtype after each GEMM and after silu, fp32 accumulation, top-k
   sum in fp32 in order k = 0..K-1). Equal to the kernels up to fp32
@@ -18,10 +18,10 @@ import torch
 
 from .layout import compute_layout, count_per_expert
 
-__all__ = ["float64_moe_reference", "layout_reference_forward"]
+__all__ = ["float64_moe_oracle", "layout_oracle_forward"]
 
 
-def float64_moe_reference(
+def float64_moe_oracle(
     x: torch.Tensor,
     top_scores: torch.Tensor,
     selected_experts_indices: torch.Tensor,
@@ -48,7 +48,7 @@ def float64_moe_reference(
     return out
 
 
-def layout_reference_forward(
+def layout_oracle_forward(
     xs: Sequence[torch.Tensor],
     scores: Sequence[torch.Tensor],
     indices: Sequence[torch.Tensor],

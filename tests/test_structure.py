@@ -1,0 +1,85 @@
+"""The package's shape: no module imports itself back through another, and
+the reference schedule runs without loading UniEP's kernels."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "titan_uniep"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                targets = [target] + [f"{target}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def test_no_circular_imports():
+    graph = _import_graph()
+    assert "titan_uniep.op" in graph and graph["titan_uniep.schedules.kernel"], "the graph missed the package"
+    state, path, cycles = {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+REFERENCE_RUN = """
+import os, sys
+import torch
+import torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from titan_uniep.schedules import Routing, get_schedule
+torch.manual_seed(0)
+x = torch.randn(6, 8)
+scores, ids = torch.rand(6, 4).softmax(-1).topk(2, dim=-1)
+w1, w3, w2 = torch.randn(4, 12, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 12)
+out = get_schedule("reference")(x, Routing(scores, ids), w1, w2, w3, group=dist.group.WORLD, score_before_experts=False)
+assert out.shape == (6, 8) and torch.isfinite(out).all()
+loaded = sorted(m for m in sys.modules if m.startswith(("titan_uniep.kernels", "titan_uniep.runtime", "titan_uniep.op")))
+print("LOADED", loaded, "TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET"))
+dist.destroy_process_group()
+"""
+
+
+def test_reference_schedule_loads_no_kernels():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")])
+    port = str(29600 + os.getpid() % 300)
+    proc = subprocess.run([sys.executable, "-c", REFERENCE_RUN, port], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED [] TRITON_INTERPRET None" in proc.stdout, proc.stdout[-2000:]

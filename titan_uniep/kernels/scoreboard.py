@@ -1,0 +1,463 @@
+"""The scoreboard and the task helpers every megakernel is built from.
+
+Cross-rank signals are counters in a rank's symmetric *arena*
+(``runtime.workspace``): a producer writes data with plain stores, then
+``tl.debug_barrier()`` (every thread's stores ordered before the signal) and
+bumps the counter with a ``release`` atomic at system scope; a consumer polls
+with ``acquire`` atomics at system scope and reads the data after a barrier.
+Data a peer wrote is read with ``cache_modifier=".cg"`` (L2 only): the L1 is
+not coherent, and a neighbouring tile may have pulled the line in before the
+peer wrote it.
+
+Every spin is bounded (``timeout``: microseconds of ``%globaltimer`` on the
+GPU, polls under the interpreter; an int32 either way, so changing it never
+recompiles). A wait that runs out writes the rank's *error record* (the first
+failure wins) and the task is skipped; every later task of that rank sees the
+record and skips too, so a missing peer costs one bounded wait per program,
+never a hang. The host turns the record into a RuntimeError.
+
+Control words, ``(L, CONTROL_WORDS) int64`` per local rank (ordinary device
+memory, never written by a peer): one task counter per task kind of a launch
+(zeroed by the counts exchange at the start of every call), the call epoch,
+the error record.
+
+Kernel arguments are packed: ``Arena`` (every rank's arena: base addresses,
+typed anchors, the element offset of each buffer, the capacities) and
+``Route`` (the call's layout arrays, ``kernels.route``).
+
+Shared task helpers, in the order a megakernel uses them:
+
+- ``claim_task``: the next task id of one task kind (relaxed atomic);
+- ``dispatch_tasks`` / ``dispatch_task``: copy a block of tokens' rows once
+  to every rank owning one of their experts (rows of one or two ``D``-wide
+  parts: ``x``, or ``[x | dOut]``), write their slot entries there, release
+  one arrival per copy on its tile;
+- ``gemm_tile_task``: which local rank, tile and column block a GEMM task
+  is, the tile's expert and slot range, and (bounded) the wait until every
+  row of the tile has arrived;
+- ``release_token_arrivals`` / ``release_or_defer``: a GEMM + combine
+  tile's epilogue, one release per row stored into its source's buffer;
+- ``wait_token_rows``: a reduce task's bounded wait for its tokens' rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+CONTROL_WORDS = 16
+# Task counters (words 0-7 but the epoch; the counts exchange zeroes them every call).
+CTL_DISPATCH_TASKS = 0  # dispatch tasks (dispatch_fc1, dispatch_dh)
+CTL_TILE_TASKS = 1  # fc1 tiles (dispatch_fc1), dH tiles (dispatch_dh)
+CTL_COMBINE_TILE_TASKS = 2  # fc2 tiles (fc2_combine), dA tiles (da_combine)
+CTL_REDUCE_TASKS = 3  # reduce tasks (fc2_combine, da_combine)
+CTL_SEND_TASKS = 4  # staged send / presum tasks (fc2_combine)
+CTL_EPOCH = 5
+CTL_OWN_DISPATCH_TASKS = 6  # dispatch of rows that stay on their rank (LayerParams.local_first)
+# Error record: flag, rank, task, what, index, expected, seen, epoch.
+CTL_ERROR = 8
+TASK_COUNTER_WORDS = tuple(w for w in range(CTL_ERROR) if w != CTL_EPOCH)
+ERROR_FIELDS = ("flag", "rank", "task", "what", "index", "expected", "seen", "epoch")
+
+# What a failed wait was waiting for (the record's ``what``).
+WAIT_COUNTS_FLAG = 1  # index: source rank whose counts never arrived
+WAIT_TILE_ROWS = 2  # index: tile whose rows never all arrived
+WAIT_TOKEN_ROWS = 3  # index: token whose K expert rows never all came back
+BAD_SLOT = 4  # index: token whose copy's slot/tile is outside the receive buffer
+WAIT_TILE_DONE = 5  # index: fc2 tile whose output a combine-send task waited for (staged combine)
+
+_CTL_EPOCH = tl.constexpr(CTL_EPOCH)
+_CTL_ERROR = tl.constexpr(CTL_ERROR)
+_CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+_CTL_DISPATCH_TASKS = tl.constexpr(CTL_DISPATCH_TASKS)
+_CTL_OWN_DISPATCH_TASKS = tl.constexpr(CTL_OWN_DISPATCH_TASKS)
+_WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
+_WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
+_BAD_SLOT = tl.constexpr(BAD_SLOT)
+
+
+class Arena(NamedTuple):
+    """Every rank's symmetric arena, as one kernel argument."""
+
+    ptrs: torch.Tensor  # (W,) int64 base addresses
+    act: torch.Tensor  # the anchor rank's arena as the activation dtype
+    i32: torch.Tensor  # ... as int32
+    f32: torch.Tensor  # ... as fp32
+    i64: torch.Tensor  # ... as int64
+    # Element offsets of the buffers, in their own dtype (runtime.workspace):
+    tokens: int  # (W * T_cap, row) de-duplicated token rows
+    slot_copy: int  # (S,) int32 copy id of each receive slot
+    slot_score: int  # (S,) fp32 router score of each slot
+    tile_arrivals: int  # (C,) int32
+    returned: int  # (T_cap * K, row) expert output (or dA) of each copy
+    returned_f32: int  # the same buffer's offset in fp32 elements
+    token_arrivals: int  # (T_cap,) int32
+    tile_done: int  # (C,) int32
+    counts: int  # (2, W, E) int64
+    count_flags: int  # (2, W) int64
+    token_slots: int  # (W * T_cap * K,) int32 (presum combine)
+    token_tiles: int  # (W * T_cap * K,) int32 (presum combine)
+    partials: int  # (T_cap * W, D) fp32 (presum combine)
+    token_capacity: int  # T_cap
+    slot_capacity: int  # S
+    tile_capacity: int  # C
+
+
+class Route(NamedTuple):
+    """The call's layout (``kernels.route`` writes it), as one kernel argument."""
+
+    dest_rank: torch.Tensor  # (L, T_cap, K) int32
+    dest_slot: torch.Tensor  # (L, T_cap, K) int32
+    dest_tile: torch.Tensor  # (L, T_cap, K) int32
+    copy_stride: int  # T_cap * K: local-rank stride of the (L, T_cap, K) arrays (and of the scores)
+    num_tokens: torch.Tensor  # (L,) int32
+    tile_expert: torch.Tensor  # (L, C) int32
+    tile_start: torch.Tensor  # (L, C) int32
+    tile_end: torch.Tensor  # (L, C) int32
+    tile_order: torch.Tensor  # (L, C) int32: tile ids, own-rows tiles first (local_first)
+    tile_stride: int  # C
+    num_tiles: torch.Tensor  # (L,) int32
+    tables: torch.Tensor  # (L, ROUTE_TABLE_ROWS, E) int32 per-expert tables
+
+
+@triton.jit
+def arena_ptr(anchor, arena, anchor_rank, rank, offset):
+    """Typed pointer to element ``offset`` of ``rank``'s arena (``rank`` may be
+    a block: one pointer per element).
+
+    ``anchor`` (one of ``arena``'s typed views) points at the arena of
+    ``anchor_rank``; other arenas are reached as ``anchor + delta`` (one
+    address space for all peers, UVA). Deliberately not an int-to-pointer
+    cast: that loses the compiler's alignment knowledge, and then gathered
+    GEMM rows are neither vectorised nor pipelined and every row copy to a
+    peer is split into 2-byte stores. Arenas are 256-byte aligned, which the
+    rounding tells the alignment analysis."""
+    elem: tl.constexpr = anchor.dtype.element_ty.primitive_bitwidth // 8
+    delta = (tl.load(arena.ptrs + rank) - tl.load(arena.ptrs + anchor_rank)) // 256 * (256 // elem)
+    return anchor + delta + offset
+
+
+@triton.jit
+def has_failed(control):
+    """Whether this rank's error record is set (then its tasks are skipped)."""
+    return (tl.load(control + _CTL_ERROR, volatile=True) != 0).to(tl.int32)
+
+
+@triton.jit
+def record_failure(control, rank, task, what, index, expected, seen):
+    """Fill this rank's error record unless an earlier failure did."""
+    if tl.atomic_cas(control + _CTL_ERROR, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:
+        tl.store(control + _CTL_ERROR + 1, rank)
+        tl.store(control + _CTL_ERROR + 2, task)
+        tl.store(control + _CTL_ERROR + 3, what)
+        tl.store(control + _CTL_ERROR + 4, index)
+        tl.store(control + _CTL_ERROR + 5, expected)
+        tl.store(control + _CTL_ERROR + 6, seen)
+        tl.store(control + _CTL_ERROR + 7, tl.load(control + _CTL_EPOCH))
+
+
+@triton.jit
+def wait_counter_at_least(counter, expected, timeout, USE_TIMER: tl.constexpr):
+    """Poll ``*counter`` (acquire, system scope) until it reaches ``expected``
+    or ``timeout`` passes; returns the last value seen."""
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+    if USE_TIMER:
+        start = globaltimer()
+        limit = timeout.to(tl.int64) * 1000
+    else:
+        start = tl.full([], 0, tl.int64)
+        limit = timeout.to(tl.int64)
+    elapsed = start - start
+    while (seen < expected) & (elapsed < limit):
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+        if USE_TIMER:
+            elapsed = globaltimer() - start
+        else:
+            elapsed += 1
+    tl.debug_barrier()
+    return seen
+
+
+@triton.jit
+def wait_counters_at_least(counters, mask, expected, timeout, USE_TIMER: tl.constexpr):
+    """Block version of ``wait_counter_at_least``: poll every ``counters[i]``
+    under ``mask`` until all reach ``expected``; returns the values seen."""
+    seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
+    missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
+    if USE_TIMER:
+        start = globaltimer()
+        limit = timeout.to(tl.int64) * 1000
+    else:
+        start = tl.full([], 0, tl.int64)
+        limit = timeout.to(tl.int64)
+    elapsed = start - start
+    while (missing > 0) & (elapsed < limit):
+        seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
+        missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
+        if USE_TIMER:
+            elapsed = globaltimer() - start
+        else:
+            elapsed += 1
+    tl.debug_barrier()
+    return tl.where(mask, seen, expected)
+
+
+@triton.jit
+def claim_task(control_row0, which):
+    """Claim the next task id of counter ``which`` (one counter per task kind,
+    shared by every program of the launch; in the simulated world one counter
+    serves all ranks, so all ranks' producers come first).
+
+    Relaxed: a claim orders nothing (every cross-program dependency has its
+    own release / acquire counter), and an acq_rel atomic here costs a memory
+    barrier plus an L1 invalidation per task, the barrier waiting for the
+    previous task's stores, remote ones included."""
+    return tl.atomic_add(control_row0 + which, 1, sem="relaxed").to(tl.int32)
+
+
+@triton.jit
+def max_over_ranks(values_ptr, NUM_LOCAL: tl.constexpr):
+    """The largest of the ``NUM_LOCAL`` local ranks' values (token or tile counts)."""
+    most = 0
+    for local in range(NUM_LOCAL):
+        most = tl.maximum(most, tl.load(values_ptr + local))
+    return most
+
+
+# ---- dispatch ----------------------------------------------------------------
+
+
+@triton.jit
+def dispatch_part(dest, rank, part):
+    """Which copies a dispatch task handles: all (``part`` 0), those that stay
+    on ``rank`` itself (1) or those that go to other ranks (2)."""
+    own = dest == rank
+    which = rank * 0 + part  # a tensor, whether ``part`` is a constant or not
+    return (which == 0) | ((which == 1) & own) | ((which == 2) & (own == 0))
+
+
+@triton.jit
+def dispatch_task(
+    task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena,
+    anchor_rank, silent_rank, part,
+    WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr,
+):
+    """``BT`` tokens of one source rank, for the destinations ``part`` selects
+    (``dispatch_part``): each token's row (``ROW_PARTS`` = 1: its x row;
+    2: ``[x | dOut]``, ``g_ptr`` the dOut rows) stored once at
+    ``tokens[source * T_cap + t]`` of every rank owning one of its experts;
+    each copy's slot entries (``slot_copy``, ``slot_score``) at its slot
+    there; then one release arrival per copy on its tile. ``PRESUM``: also the
+    per-token slot and tile of each copy for the presum combine."""
+    ROW: tl.constexpr = ROW_PARTS * DIM
+    local = task // tasks_per_rank
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    num_tokens = tl.load(route.num_tokens + local)
+    if (rank != silent_rank) & (has_failed(control) == 0):
+        offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
+        mask_t = offs_t < num_tokens
+        offs_k = tl.arange(0, KP)
+        every_copy = mask_t[:, None] & (offs_k < TOP_K)[None, :]
+        copies = local * route.copy_stride + offs_t[:, None] * TOP_K + offs_k[None, :]
+        dest = tl.load(route.dest_rank + copies, mask=every_copy, other=-1)
+        token_rows = rank.to(tl.int64) * arena.token_capacity + offs_t
+        src = local.to(tl.int64) * x_rank_stride + offs_t[:, None].to(tl.int64) * DIM
+        for d0 in range(0, DIM, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask_d = offs_d < DIM
+            mask = mask_t[:, None] & mask_d[None, :]
+            x_rows = tl.load(x_ptr + src + offs_d[None, :], mask=mask)
+            if ROW_PARTS == 2:
+                g_rows = tl.load(g_ptr + src + offs_d[None, :], mask=mask)
+            for peer in range(WORLD):
+                goes_there = (tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0) & dispatch_part(peer, rank, part)
+                tokens = arena_ptr(arena.act, arena, anchor_rank, peer, arena.tokens)
+                dst = tokens + token_rows[:, None] * ROW + offs_d[None, :]
+                there = goes_there[:, None] & mask_d[None, :]
+                tl.store(dst, x_rows, mask=there)
+                if ROW_PARTS == 2:
+                    tl.store(dst + DIM, g_rows, mask=there)
+        mine = every_copy & dispatch_part(dest, rank, part)
+        slot = tl.load(route.dest_slot + copies, mask=mine, other=0)
+        tile = tl.load(route.dest_tile + copies, mask=mine, other=0)
+        fits = (slot >= 0) & (slot < arena.slot_capacity) & (tile >= 0) & (tile < arena.tile_capacity)
+        bad = mine & (fits == 0)
+        if tl.max(bad.to(tl.int32)) > 0:
+            first_bad = tl.min(tl.where(bad, offs_t[:, None], 1 << 30))
+            record_failure(control, rank, task, _BAD_SLOT, first_bad, arena.slot_capacity,
+                           tl.max(tl.where(bad, slot, 0)))
+        ok = mine & fits
+        peer = tl.maximum(dest, 0)
+        copy_id = token_rows[:, None] * TOP_K + offs_k[None, :]
+        tl.store(arena_ptr(arena.i32, arena, anchor_rank, peer, arena.slot_copy) + slot, copy_id.to(tl.int32),
+                 mask=ok)
+        score = tl.load(scores_ptr + copies, mask=mine, other=0.0)
+        tl.store(arena_ptr(arena.f32, arena, anchor_rank, peer, arena.slot_score) + slot, score, mask=ok)
+        if PRESUM:
+            # Every rank a token goes to learns, per k, the slot (and tile) of
+            # the token's copy there, or -1: all K entries of a token are
+            # written this call, before its arrivals are released.
+            for p in range(WORLD):
+                here = dest == p
+                goes_there = tl.max(tl.where(here, 1, 0), axis=1) > 0
+                entry = every_copy & goes_there[:, None] & dispatch_part(p, rank, part)
+                token_slots = arena_ptr(arena.i32, arena, anchor_rank, p, arena.token_slots)
+                tl.store(token_slots + copy_id, tl.where(here & fits, slot, -1), mask=entry)
+                token_tiles = arena_ptr(arena.i32, arena, anchor_rank, p, arena.token_tiles)
+                tl.store(token_tiles + copy_id, tl.where(here & fits, tile, -1), mask=entry)
+        tl.debug_barrier()  # every thread's row and slot stores before any arrival
+        tile_arrivals = arena_ptr(arena.i32, arena, anchor_rank, peer, arena.tile_arrivals)
+        tl.atomic_add(tile_arrivals + tile, 1, mask=ok, sem="release", scope="sys")
+
+
+@triton.jit
+def dispatch_tasks(
+    control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base, silent_rank,
+    num_dispatch_programs, local_first,
+    NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr,
+):
+    """A megakernel's dispatch phase: the first ``num_dispatch_programs``
+    programs claim dispatch tasks until none is left. With ``local_first``,
+    every program first dispatches the rows that stay on its own rank (no
+    NVLink), so the tiles holding only those can start while the others are
+    sent."""
+    tasks_per_rank = tl.cdiv(max_over_ranks(route.num_tokens, NUM_LOCAL), BT)
+    total = NUM_LOCAL * tasks_per_rank
+    for step in tl.static_range(2):
+        # (arithmetic on the static step: the compiler takes no branch-defined constexpr)
+        counter = _CTL_DISPATCH_TASKS + (_CTL_OWN_DISPATCH_TASKS - _CTL_DISPATCH_TASKS) * (1 - step)
+        first = (local_first != 0).to(tl.int32)
+        part = (1 - step) + step * 2 * first
+        active = (1 - step) * first + step * (tl.program_id(0) < num_dispatch_programs).to(tl.int32)
+        if active != 0:
+            task = claim_task(control_ptr, counter)
+            while task < total:
+                dispatch_task(task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr,
+                              route, arena, anchor_rank, silent_rank, part, WORLD, DIM, TOP_K, BT, BD, KP,
+                              ROW_PARTS, PRESUM)
+                task = claim_task(control_ptr, counter)
+
+
+# ---- GEMM tile tasks ------------------------------------------------------------
+
+
+@triton.jit
+def grouped_tile_task(task, num_tiles, col_blocks, GROUP_M: tl.constexpr):
+    """Task -> (tile, column block), ``GROUP_M`` row tiles per column sweep
+    (Triton's grouped ordering: the tiles' gathered rows stay in L2)."""
+    width = GROUP_M * col_blocks
+    first = (task // width) * GROUP_M
+    group_size = tl.minimum(num_tiles - first, GROUP_M)
+    tile = first + (task % width) % group_size
+    col_block = (task % width) // group_size
+    return tile, col_block
+
+
+@triton.jit
+def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, use_order, timeout,
+                   NUM_LOCAL: tl.constexpr, GROUP_M: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Decode a GEMM tile task (local ranks interleaved: task -> (task % L,
+    task // L); per rank, ``grouped_tile_task``; ``use_order``: tiles in
+    ``route.tile_order``, local_first) and, ``WAIT``, wait (bounded) until
+    every row of its tile has arrived, recording a failure otherwise.
+
+    Returns (ready, local rank, rank, tile, column block, local expert, first
+    slot, end slot): ``ready`` when the task exists, its rank has not failed,
+    its rows are there and its slots fit the receive buffer."""
+    local = task % NUM_LOCAL
+    rank = rank_base + local
+    control = control_ptr + local * _CONTROL_WORDS
+    num_tiles = tl.load(route.num_tiles + local)
+    rank_task = task // NUM_LOCAL
+    ready = (rank_task < num_tiles * col_blocks) & (has_failed(control) == 0)
+    tile = rank_task * 0
+    col_block = rank_task * 0
+    expert = rank_task * 0
+    m0 = rank_task * 0
+    m1 = rank_task * 0
+    if ready:
+        tile, col_block = grouped_tile_task(rank_task, num_tiles, col_blocks, GROUP_M)
+        if use_order != 0:
+            tile = tl.load(route.tile_order + local * route.tile_stride + tile)
+        expert = tl.load(route.tile_expert + local * route.tile_stride + tile)
+        m0 = tl.load(route.tile_start + local * route.tile_stride + tile)
+        m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
+        if WAIT:
+            arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals) + tile
+            seen = wait_counter_at_least(arrivals, m1 - m0, timeout, USE_TIMER)
+            if seen < m1 - m0:
+                record_failure(control, rank, task, _WAIT_TILE_ROWS, tile, m1 - m0, seen)
+                ready = m1 < 0
+            else:
+                ready = m1 <= arena.slot_capacity
+        else:
+            ready = m1 <= arena.slot_capacity
+    return ready, local, rank, tile, col_block, expert, m0, m1
+
+
+@triton.jit
+def matrix_descriptor(ptr, rows, COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ON: tl.constexpr):
+    """A tensor descriptor of the ``(rows, COLS)`` row-major matrix at ``ptr``
+    in blocks of ``BR x BC`` (``ON``), else the pointer itself."""
+    if ON:
+        desc = tl.make_tensor_descriptor(ptr, shape=[rows, COLS], strides=[COLS, 1], block_shape=[BR, BC])
+    else:
+        desc = ptr
+    return desc
+
+
+# ---- combine ------------------------------------------------------------------
+
+
+@triton.jit
+def release_token_arrivals(source, token, mask, arena, anchor_rank):
+    """One release arrival per stored row on its source's ``token_arrivals[t]``
+    (the caller put a barrier between the row stores and this)."""
+    arrivals = arena_ptr(arena.i32, arena, anchor_rank, source, arena.token_arrivals)
+    tl.atomic_add(arrivals + token, 1, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def release_or_defer(source, token, rows, pending_source, pending_token, pending, arena, anchor_rank,
+                     DEFER: tl.constexpr):
+    """After a tile's row stores (and a barrier): release their arrivals now,
+    or (``DEFER``) keep them pending until the program's next tile has run
+    its K-loop, by which time the stores have landed and the system-scope
+    release finds nothing to wait for. The caller releases the pending rows
+    before its next tile's stores and once after its last tile. Returns the
+    pending (source, token, mask)."""
+    if DEFER:
+        pending_source = source
+        pending_token = token
+        pending = rows
+    else:
+        release_token_arrivals(source, token, rows, arena, anchor_rank)
+    return pending_source, pending_token, pending
+
+
+@triton.jit
+def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, expected, timeout,
+                    USE_TIMER: tl.constexpr, PER_TOKEN: tl.constexpr = False):
+    """A reduce task's wait (bounded) until each of its tokens ``offs_t``
+    (under ``mask_t``) has ``expected`` arrivals (one count for all, or one
+    per token: ``PER_TOKEN``); records a failure otherwise. Returns whether
+    all arrived."""
+    arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals) + offs_t
+    seen = wait_counters_at_least(arrivals, mask_t, expected, timeout, USE_TIMER)
+    short = mask_t & (seen < expected)
+    failed = tl.max(short.to(tl.int32)) > 0
+    if failed:
+        first = tl.min(tl.where(short, offs_t, 1 << 30))
+        if PER_TOKEN:
+            wanted = tl.max(tl.where(short, expected, 0))
+        else:
+            wanted = expected
+        record_failure(control, rank, task, _WAIT_TOKEN_ROWS, first, wanted, tl.min(tl.where(short, seen, 1 << 30)))
+    return failed == 0

@@ -1,0 +1,295 @@
+"""One parameter object for a UniEP MoE layer, forward and backward.
+
+``LayerParams`` holds every knob the kernels and their host launches read,
+one field each, grouped by the stage that reads it (the stage names are the
+kernels': ``dispatch_fc1``, ``fc2_combine``, ``dispatch_dh``, ``da_combine``,
+``wgrad``). It is passed per call (``params=``) and a workspace stores one as
+its default; nothing reads a module-global mutable table.
+
+Tuned defaults live in ``DEFAULTS``, keyed by EP size and shape class
+(``shape_class``: by the expert hidden dim, which sets how long the expert
+GEMMs' K-loops are against the bytes each row moves); ``default_params``
+returns the entry for a shape. Why each default is what it is, with the
+measurements: ``docs/design.md``, "Decisions".
+
+Which fields can change bits: every field is a *schedule* choice (when a task
+runs, which program runs it, how a tile is loaded) except the GEMMs' K steps
+(``*_block_k``), which set the fp32 summation order of the interpreter's and
+the tensor cores' partial products, ``combine = "presum"`` (per-rank fp32
+partial sums) and ``wgrad_backend``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "COMBINES",
+    "apply_overrides",
+    "DEFAULTS",
+    "LayerParams",
+    "SHAPE_CLASSES",
+    "WGRAD_BACKENDS",
+    "default_params",
+    "interpreter_params",
+    "shape_class",
+]
+
+COMBINES = ("direct", "staged", "presum")
+WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
+SHAPE_CLASSES = ("short", "medium", "long")
+
+_POWERS_OF_TWO = (
+    "block_m", "group_m", "dispatch_block_tokens", "dispatch_block_dim", "fc1_block_n", "fc1_block_k",
+    "fc2_block_n", "fc2_block_k", "reduce_block_tokens", "reduce_block_dim", "dh_block_n", "dh_block_k",
+    "da_block_n", "da_block_k", "wgrad_w13_block_m", "wgrad_w13_block_n", "wgrad_w13_block_k",
+    "wgrad_w2_block_m", "wgrad_w2_block_n", "wgrad_w2_block_k",
+)
+_DOT_OPERANDS = tuple(n for n in _POWERS_OF_TWO if n.endswith(("block_n", "block_k")) or n.startswith("wgrad"))
+_AT_LEAST_ONE = (
+    "dispatch_programs", "combine_send_programs", "fc1_num_warps", "fc2_num_warps", "dh_num_warps",
+    "da_num_warps", "wgrad_w13_num_warps", "wgrad_w2_num_warps", "fc2_programs_per_sm", "dh_programs_per_sm",
+    "da_programs_per_sm", "dh_num_stages", "da_num_stages", "wgrad_w13_num_stages", "wgrad_w2_num_stages",
+    "interpreter_max_spins",
+)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    # ---- grid and layout (every kernel) ----
+    block_m: int = 128
+    """Receive slots per GEMM tile, and the granularity of the per-tile arrival counters (power of two, >= 16; the workspace is sized with it)."""
+    num_programs: int | None = None
+    """Persistent programs per launch; None: one per SM (at most the SMs: every spin-wait needs the whole grid resident)."""
+    group_m: int = 8
+    """Row tiles walked together before the next column block, for L2 reuse (power of two)."""
+
+    # ---- dispatch (dispatch_fc1 and dispatch_dh) ----
+    dispatch_programs: int = 16
+    """Programs that run dispatch tasks before taking GEMM tiles (>= 1; >= the grid: every program dispatches first)."""
+    dispatch_block_tokens: int = 16
+    """Tokens per dispatch task (power of two)."""
+    dispatch_block_dim: int = 512
+    """Columns a dispatch task copies per step (power of two)."""
+    local_first: bool = False
+    """Every program first copies the rows that stay on its rank, and tiles holding only those run first."""
+    local_first_experts: float = 0.25
+    """With ``local_first``: the fraction of local experts, in [0, 1], whose own-rows tiles are moved ahead."""
+
+    # ---- fc1 tiles (dispatch_fc1) ----
+    fc1_block_n: int = 128
+    """Columns of h per fc1 tile (two accumulators, w1 and w3; power of two, >= 16)."""
+    fc1_block_k: int = 64
+    """K step of fc1 (power of two, >= 16; sets the summation order)."""
+    fc1_num_warps: int = 8
+    """Warps per dispatch_fc1 program."""
+    fc1_num_stages: int = 3
+    """Software-pipelining depth of fc1's K-loop (>= 0)."""
+
+    # ---- fc2 tiles (fc2_combine) ----
+    fc2_block_n: int = 256
+    """Columns of y per fc2 tile (power of two, >= 16)."""
+    fc2_block_k: int = 64
+    """K step of fc2 (power of two, >= 16; sets the summation order)."""
+    fc2_num_warps: int = 8
+    """Warps per fc2_combine program."""
+    fc2_num_stages: int = 3
+    """Software-pipelining depth of fc2's K-loop (>= 0)."""
+    fc2_programs_per_sm: int = 1
+    """fc2_combine programs per SM (GPU), so one program's epilogue overlaps another's K-loop (the tile must fit)."""
+    fc2_max_registers: int | None = None
+    """Register cap per thread of fc2_combine (Triton ``maxnreg``); None: the compiler's choice."""
+    fc2_tma: bool = False
+    """fc2 reads h and w2 through tensor descriptors made on the device (16-bit data on a GPU)."""
+    fc2_defer_release: bool = False
+    """Direct combine: release a tile's row arrivals after the program's next tile, not right after its stores."""
+
+    # ---- combine and reduce (fc2_combine and da_combine) ----
+    combine: Literal["direct", "staged", "presum"] = "direct"
+    """How fc2 rows go back: stored to the source by the tile ("direct"), sent by separate tasks ("staged"), or pre-summed per rank ("presum", other bits)."""
+    combine_send_programs: int = 16
+    """Staged combine: programs that only send before joining the reduce tasks (>= 1)."""
+    reduce_block_tokens: int = 16
+    """Tokens per reduce task (power of two; <= block_m with presum)."""
+    reduce_block_dim: int = 512
+    """Columns a reduce task sums per step (power of two; da_combine takes at most 256 with scores before the experts)."""
+
+    # ---- dH tiles (dispatch_dh) ----
+    dh_block_n: int = 128
+    """Columns of H per dH tile (power of two, >= 16)."""
+    dh_block_k: int = 64
+    """K step of the dH tile's loops over D (power of two, >= 16; sets the summation order)."""
+    dh_two_pass: bool = True
+    """Recomputing backward: one K-loop for h1 | h3, then one for G, instead of all three in one loop."""
+    dh_num_warps: int = 8
+    """Warps per dispatch_dh program."""
+    dh_num_stages: int = 3
+    """Software-pipelining depth of the dH K-loops (>= 1)."""
+    dh_programs_per_sm: int = 2
+    """dispatch_dh programs per SM (GPU) when h1 | h3 are saved (run under a register cap that fits them)."""
+    dh_copies_rows: bool = True
+    """With saved h1 | h3, dH tasks also copy each slot's x and dOut rows for the weight gradients (else a gather launch)."""
+
+    # ---- dA tiles (da_combine) ----
+    da_block_n: int = 128
+    """Columns of D per dA tile (power of two, >= 16)."""
+    da_block_k: int = 64
+    """K step of the dA loop over H (power of two, >= 16; sets the summation order)."""
+    da_num_warps: int = 8
+    """Warps per da_combine program."""
+    da_num_stages: int = 3
+    """Software-pipelining depth of the dA K-loop (>= 1)."""
+    da_programs_per_sm: int = 1
+    """da_combine programs per SM (GPU)."""
+    da_max_registers: int | None = None
+    """Register cap per thread of da_combine (``maxnreg``); None: the compiler's choice."""
+    da_tma: bool = True
+    """dA reads dh1 | dh3 and w1 | w3 through tensor descriptors (16-bit data on a GPU, H a multiple of da_block_k)."""
+    da_defer_release: bool = False
+    """Release a dA tile's row arrivals after the program's next tile, not right after its stores."""
+
+    # ---- weight gradients (wgrad) ----
+    wgrad_backend: Literal["auto", "grouped_mm", "triton"] = "auto"
+    """Who computes dW from the dense slot rows: torch._grouped_mm, the Triton kernel, or "auto" (the first where it runs)."""
+    wgrad_w13_block_m: int = 128
+    """Triton dW1 | dW3 tile rows (of H)."""
+    wgrad_w13_block_n: int = 128
+    """Triton dW1 | dW3 tile columns (of D)."""
+    wgrad_w13_block_k: int = 64
+    """Triton dW1 | dW3 K step over slots (sets the summation order)."""
+    wgrad_w13_num_warps: int = 8
+    """Warps of the Triton dW1 | dW3 kernel."""
+    wgrad_w13_num_stages: int = 4
+    """Pipelining depth of the Triton dW1 | dW3 kernel."""
+    wgrad_w2_block_m: int = 128
+    """Triton dW2 tile rows (of D)."""
+    wgrad_w2_block_n: int = 256
+    """Triton dW2 tile columns (of H)."""
+    wgrad_w2_block_k: int = 64
+    """Triton dW2 K step over slots (sets the summation order)."""
+    wgrad_w2_num_warps: int = 8
+    """Warps of the Triton dW2 kernel."""
+    wgrad_w2_num_stages: int = 3
+    """Pipelining depth of the Triton dW2 kernel."""
+
+    # ---- waits and testing hooks (every kernel) ----
+    timeout_s: float = 30.0
+    """Bound of every GPU spin-wait, in seconds (> 0); a wait that runs out fails the call with an error naming it."""
+    interpreter_max_spins: int = 10_000
+    """Bound of every spin-wait under TRITON_INTERPRET=1, in polls (producers run first there, so any spin is a bug)."""
+    debug_silent_rank: int = -1
+    """Testing only: this rank runs no dispatch tasks (sends nothing), to prove a missing peer ends in a clear error."""
+
+    def replace(self, **changes) -> "LayerParams":
+        return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        for name in _POWERS_OF_TWO:
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"LayerParams.{name} must be a power of two, got {value}")
+        for name in ("block_m", *_DOT_OPERANDS):
+            if getattr(self, name) < 16:
+                raise ValueError(f"LayerParams.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"LayerParams.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("fc1_num_stages", "fc2_num_stages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LayerParams.{name} must be >= 0, got {getattr(self, name)}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"LayerParams.combine must be one of {COMBINES}, got {self.combine!r}")
+        if self.wgrad_backend not in WGRAD_BACKENDS:
+            raise ValueError(f"LayerParams.wgrad_backend must be one of {WGRAD_BACKENDS}, got {self.wgrad_backend!r}")
+        if self.combine == "presum" and self.reduce_block_tokens > self.block_m:
+            raise ValueError(
+                f"LayerParams.reduce_block_tokens ({self.reduce_block_tokens}) must be <= block_m ({self.block_m}) "
+                "with combine='presum' (its tasks split a tile's rows into blocks of that many)"
+            )
+        if not 0.0 <= self.local_first_experts <= 1.0:
+            raise ValueError(f"LayerParams.local_first_experts must be in [0, 1], got {self.local_first_experts}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
+        if self.num_programs is not None and self.num_programs <= max(self.dispatch_programs,
+                                                                      self.combine_send_programs):
+            raise ValueError(
+                f"LayerParams.num_programs ({self.num_programs}) must exceed dispatch_programs "
+                f"({self.dispatch_programs}) and combine_send_programs ({self.combine_send_programs})"
+            )
+
+
+def shape_class(hidden: int) -> str:
+    """The defaults table's class of a layer, by its expert hidden dim ``H``:
+    ``"short"`` (H <= 1024), ``"medium"`` (H <= 2048) or ``"long"``."""
+    if hidden <= 1024:
+        return "short"
+    return "medium" if hidden <= 2048 else "long"
+
+
+# GEMM + combine kernels at two programs per SM, for expert GEMMs with a short K.
+_SHORT_DA = dict(da_block_k=32, da_num_warps=4, da_programs_per_sm=2)
+_SHORT_FC2 = dict(fc2_block_n=128, fc2_num_warps=4, fc2_programs_per_sm=2)
+# Every program dispatches first (>= any grid).
+_DISPATCH_FIRST = dict(dispatch_programs=1024)
+
+# Tuned on 2 x H200 (NV18); other EP sizes take the closest smaller tuned
+# size's entry (the smallest's below it). docs/design.md says why.
+DEFAULTS: dict[tuple[int, str], LayerParams] = {
+    (2, "short"): LayerParams(**_DISPATCH_FIRST, **_SHORT_FC2, **_SHORT_DA),
+    (2, "medium"): LayerParams(**_SHORT_DA),
+    (2, "long"): LayerParams(),
+}
+
+
+def default_params(ep_size: int, *, hidden: int) -> LayerParams:
+    """The tuned defaults of a layer with expert hidden dim ``hidden`` at EP
+    size ``ep_size`` (``DEFAULTS``)."""
+    if ep_size < 1:
+        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+    sizes = sorted({size for size, _ in DEFAULTS})
+    known = [size for size in sizes if size <= ep_size]
+    return DEFAULTS[(known[-1] if known else sizes[0], shape_class(hidden))]
+
+
+def interpreter_params(**changes) -> LayerParams:
+    """Small tiles for the CPU interpreter (tiny test shapes, fast to run)."""
+    small = LayerParams(
+        block_m=16, num_programs=2, group_m=2, dispatch_programs=1, dispatch_block_tokens=4, dispatch_block_dim=16,
+        fc1_block_n=16, fc1_block_k=16, fc1_num_warps=4, fc1_num_stages=1,
+        fc2_block_n=16, fc2_block_k=16, fc2_num_warps=4, fc2_num_stages=1,
+        combine_send_programs=1, reduce_block_tokens=4, reduce_block_dim=16,
+        dh_block_n=16, dh_block_k=16, dh_num_warps=4, dh_num_stages=1, dh_programs_per_sm=1,
+        da_block_n=16, da_block_k=16, da_num_warps=4, da_num_stages=1, da_programs_per_sm=1, da_tma=False,
+        wgrad_w13_block_m=16, wgrad_w13_block_n=16, wgrad_w13_block_k=16, wgrad_w13_num_warps=4,
+        wgrad_w13_num_stages=1, wgrad_w2_block_m=16, wgrad_w2_block_n=16, wgrad_w2_block_k=16,
+        wgrad_w2_num_warps=4, wgrad_w2_num_stages=1,
+    )
+    return small.replace(**changes)
+
+
+def apply_overrides(params: LayerParams, overrides: list[str]) -> LayerParams:
+    """``params`` with ``FIELD=VALUE`` overrides (command lines): values parsed
+    as the field's type (``none`` for None, ``true``/``false`` for bools)."""
+    fields = {f.name: f for f in dataclasses.fields(LayerParams)}
+    changes = {}
+    for item in overrides:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"override {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        current = getattr(params, name)
+        if text.lower() == "none":
+            value = None
+        elif isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"override {item!r}: {name} takes true or false")
+            value = text.lower() in ("true", "1")
+        elif isinstance(current, int) or (current is None and fields[name].type.startswith("int")):
+            value = int(text)
+        elif isinstance(current, float):
+            value = float(text)
+        else:
+            value = text
+        changes[name] = value
+    return params.replace(**changes)

@@ -1,0 +1,27 @@
+"""The kernel schedules ``"sequential"`` and ``"fused"``: the custom op
+``torch.ops.uniep.moe_experts`` (``titan_uniep.op``) on the layer's EP group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import titan_uniep.op  # noqa: F401  (registers torch.ops.uniep.moe_experts)
+from titan_uniep.schedules import register_schedule
+from titan_uniep.schedules.interface import Routing
+
+
+def _kernel_schedule(name: str):
+    def run(x, routing: Routing, w1, w2, w3, *, group: dist.ProcessGroup, score_before_experts: bool) -> torch.Tensor:
+        out, _h13 = torch.ops.uniep.moe_experts(
+            x, routing.top_scores, routing.selected_experts_indices, w1, w2, w3,
+            group.group_name, name, score_before_experts,
+        )
+        return out
+
+    run.__name__ = f"{name}_schedule"
+    return run
+
+
+register_schedule("sequential", _kernel_schedule("sequential"), needs_cuda=True)
+register_schedule("fused", _kernel_schedule("fused"), needs_cuda=True)
