@@ -28,7 +28,7 @@ import torch
 
 from titan_uniep.bench import SHAPES
 from titan_uniep.params import apply_overrides, default_params
-from titan_uniep.runtime import (BackwardWorkspace, Workspace, moe_backward, moe_forward, simulated_moe_backward,
+from titan_uniep.runtime import (BackwardWorkspace, Workspace, moe_forward, simulated_moe_backward,
                                  simulated_moe_forward)
 from titan_uniep.timing import time_ms
 

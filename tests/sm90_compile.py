@@ -17,30 +17,83 @@ from pathlib import Path
 
 def build(fn, pointers: dict, consts: dict, *, num_warps: int, num_stages: int, max_registers: int | None = None):
     """Compile ``fn`` for sm_90 as the JIT would specialise it: ``pointers``
-    maps pointer parameters to their torch dtype; pointers, ``off_*`` offsets
-    and ``*stride`` parameters are 16-divisible, other scalars int32 (strides
-    int64); ``max_registers``: Triton's ``maxnreg``. Returns the compiled
-    kernel (``.asm``, ``.metadata``)."""
+    maps pointer parameters to their torch dtype, and a NamedTuple parameter
+    (``kernels.scoreboard.Arena`` / ``Route``) to an instance of its type
+    holding each field's type (``arena_types`` / ``route_types``): a torch
+    dtype (a pointer) or a scalar type string, with ``/16`` when the value
+    is 16-divisible (an element offset of the arena). Pointers, ``*stride``
+    parameters and fields (int64) and ``/16`` fields are 16-divisible, other
+    scalars int32; ``max_registers``: Triton's ``maxnreg``. Returns the
+    compiled kernel (``.asm``, ``.metadata``)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+
+    def scalar(name, given=None):
+        """(type string, 16-divisible) of a scalar parameter or field."""
+        if given is not None:
+            ty, _, div = given.partition("/")
+            return ty, div == "16"
+        return ("i64", True) if name.endswith("stride") else ("i32", False)
+
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
             continue
-        sig[p.name] = pointer[pointers[p.name]] if p.name in pointers else (
-            "i64" if p.name.endswith("stride") else "i32")
-        if p.name in pointers or p.name.startswith("off_") or p.name.endswith("stride"):
+        given = pointers.get(p.name)
+        if isinstance(given, tuple):  # a NamedTuple argument: one type per field
+            types = []
+            for j, (field, value) in enumerate(zip(given._fields, given)):
+                if isinstance(value, torch.dtype):
+                    types.append(pointer[value])
+                    divisible = True
+                else:
+                    ty, divisible = scalar(field, value)
+                    types.append(ty)
+                if divisible:
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+            sig[p.name] = type(given)(*types)
+            continue
+        if given is not None:
+            sig[p.name] = pointer[given]
+            divisible = True
+        else:
+            sig[p.name], divisible = scalar(p.name)
+        if divisible or p.name.startswith("off_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers is not None:
         options["maxnreg"] = max_registers
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)
+
+
+def arena_types(act):
+    """``kernels.scoreboard.Arena`` field types for ``build``: the base
+    addresses (int64) and the typed anchors (``act``: the activation dtype),
+    the buffers' element offsets (16-divisible: every buffer starts on a
+    256-byte boundary) and the capacities (int32)."""
+    import torch
+
+    from titan_uniep.kernels.scoreboard import Arena
+
+    tensors = dict(ptrs=torch.int64, act=act, i32=torch.int32, f32=torch.float32, i64=torch.int64)
+    return Arena(**{name: tensors.get(name, "i32" if name.endswith("capacity") else "i32/16")
+                    for name in Arena._fields})
+
+
+def route_types():
+    """``kernels.scoreboard.Route`` field types for ``build``: every layout
+    array int32, the strides int64 (16-divisible)."""
+    import torch
+
+    from titan_uniep.kernels.scoreboard import Route
+
+    return Route(**{name: ("i64/16" if name.endswith("stride") else torch.int32) for name in Route._fields})
 
 
 def loops(ttgir: str) -> list[str]:

@@ -15,9 +15,9 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
-from titan_uniep.kernels import interpreter_config
-from titan_uniep.reference_math import float64_moe_reference, layout_reference_forward
+from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
+from titan_uniep.params import interpreter_params
+from titan_uniep.runtime import BackwardWorkspace, simulated_moe_backward
 
 if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
@@ -50,31 +50,30 @@ def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, for
                 w1s=local(w1), w2s=local(w2), w3s=local(w3), el=el)
 
 
-def run_both(w, *, score_before, config=None, workspace=None):
-    config = config or interpreter_config()
+def run_both(w, *, score_before, params=None, workspace=None):
+    params = params or interpreter_params()
     outs = {}
     for schedule in ("sequential", "fused"):
         if workspace is not None:
             workspace.poison()
         outs[schedule] = simulated_moe_backward(
             w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, config=config, workspace=workspace, poison_outputs=True,
+            score_before_experts=score_before, params=params, workspace=workspace, poison_outputs=True,
         )
     return outs["sequential"], outs["fused"]
 
 
-def saved_h13_of_forward(w, config, *, score_before=False):
+def saved_h13_of_forward(w, params, *, score_before=False):
     """Each slot's h1 | h3 as the fused forward saves them (NaN where no slot
     is used), for the backward's ``saved_h13``."""
-    from titan_uniep.fused import simulated_moe_forward
-    from titan_uniep.symm import Workspace
+    from titan_uniep.runtime import Workspace, simulated_moe_forward
 
     world, num_experts, top_k = len(w["xs"]), w["el"] * len(w["xs"]), w["indices"][0].shape[1]
     fwd = Workspace.simulated(world, num_tokens=max(max(len(x) for x in w["xs"]), 1), dim=DIM, hidden=HIDDEN,
-                              num_experts=num_experts, top_k=top_k, dtype=torch.float32, config=config)
+                              num_experts=num_experts, top_k=top_k, dtype=torch.float32, params=params)
     saved = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
     simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                          score_before_experts=score_before, config=config, workspace=fwd, saved_h13=saved)
+                          score_before_experts=score_before, params=params, workspace=fwd, saved_h13=saved)
     return saved
 
 
@@ -85,7 +84,7 @@ def float64_grads(w, score_before):
     for r in range(len(w["xs"])):
         x = w["xs"][r].double().requires_grad_()
         s = w["scores"][r].double().requires_grad_()
-        out = float64_moe_reference(x, s, w["indices"][r], *leaves, score_before_experts=score_before)
+        out = float64_moe_oracle(x, s, w["indices"][r], *leaves, score_before_experts=score_before)
         if not out.requires_grad:  # a rank without tokens
             per_rank.append([torch.zeros_like(x), torch.zeros_like(s)])
             continue
@@ -102,7 +101,7 @@ def layout_grads(w, score_before):
     """Autograd of the layout reference (torch, same placement and order, fp32)."""
     leaf = lambda ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     xs, scores, w1s, w2s, w3s = leaf(w["xs"]), leaf(w["scores"]), leaf(w["w1s"]), leaf(w["w2s"]), leaf(w["w3s"])
-    outs = layout_reference_forward(xs, scores, w["indices"], w1s, w2s, w3s, score_before_experts=score_before)
+    outs = layout_oracle_forward(xs, scores, w["indices"], w1s, w2s, w3s, score_before_experts=score_before)
     torch.autograd.backward(outs, w["grads"])
     zero = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
     return [[zero(xs[r]), zero(scores[r]), zero(w1s[r]), zero(w2s[r]), zero(w3s[r])] for r in range(len(xs))]
@@ -131,45 +130,44 @@ def test_backward_fused_matches_sequential_bitwise_and_references(world, num_exp
     w = make_world(world, num_experts, top_k, num_tokens, seed=1 + world)
     ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN,
                                      num_experts=num_experts, top_k=top_k, dtype=torch.float32,
-                                     config=interpreter_config())
+                                     params=interpreter_params())
     seq, fus = run_both(w, score_before=score_before, workspace=ws)
     assert_correct(w, seq, fus, score_before=score_before)
     again = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                    schedule="fused", score_before_experts=score_before, workspace=ws,
-                                   config=interpreter_config())
+                                   params=interpreter_params())
     for r in range(world):
         for name, a, b in zip(NAMES, fus[r], again[r]):
             assert torch.equal(a, b), f"rank {r} {name}: differs run to run"
 
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-def test_backward_other_dh_tile_shape(score_before, monkeypatch):
+def test_backward_other_dh_tile_shape(score_before):
     """The dH tile shape the defaults do not use (one loop for h1, h3 and
     dOut @ w2 when the default runs two, and the other way round): correct
     and bitwise across schedules."""
-    from titan_uniep import fused_backward
+    from titan_uniep.params import LayerParams
 
-    monkeypatch.setitem(fused_backward.BACKWARD_TILES, "dh_two_pass", 1 - fused_backward.BACKWARD_TILES["dh_two_pass"])
+    default = interpreter_params().dh_two_pass
+    assert default == LayerParams().dh_two_pass  # the interpreter runs the GPU default's dH loops
+    params = interpreter_params(dh_two_pass=not default)
     w = make_world(2, 8, 3, [13, 10], seed=71)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                     dtype=torch.float32, config=interpreter_config())
-    seq, fus = run_both(w, score_before=score_before, workspace=ws)
+                                     dtype=torch.float32, params=params)
+    seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)
     assert_correct(w, seq, fus, score_before=score_before)
 
 
-def test_backward_deferred_da_release_changes_no_bits(monkeypatch):
-    """``da_defer_release`` (a dA tile's row arrivals released after the
+def test_backward_deferred_da_release_changes_no_bits():
+    """``LayerParams.da_defer_release`` (a dA tile's row arrivals released after the
     program's next tile) moves when the reduce may start, never a value: both
     schedules equal the immediate release bit for bit (skewed routing, odd T)."""
-    from titan_uniep import fused_backward
-
     w = make_world(2, 8, 3, [13, 10], seed=73, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                     dtype=torch.float32, config=interpreter_config())
+                                     dtype=torch.float32, params=interpreter_params())
     outs = {}
     for defer in (False, True):
-        monkeypatch.setitem(fused_backward.BACKWARD_TILES, "da_defer_release", defer)
-        outs[defer] = run_both(w, score_before=False, workspace=ws)
+        outs[defer] = run_both(w, score_before=False, workspace=ws, params=interpreter_params(da_defer_release=defer))
     assert_correct(w, *outs[True], score_before=False)
     for r in range(2):
         for schedule in (0, 1):
@@ -183,16 +181,16 @@ def test_backward_with_h1_h3_saved_by_the_forward(score_before):
     them instead of recomputing fc1: correct, bitwise across schedules, and
     equal to the recomputing backward (same math, interpreter fp32)."""
     w = make_world(2, 8, 3, [13, 10], seed=81)
-    cfg = interpreter_config()
+    cfg = interpreter_params()
     saved = saved_h13_of_forward(w, cfg, score_before=score_before)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                     dtype=torch.float32, config=cfg)
+                                     dtype=torch.float32, params=cfg)
     outs = {}
     for schedule in ("sequential", "fused"):
         ws.poison()
         outs[schedule] = simulated_moe_backward(
             w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, config=cfg, workspace=ws, poison_outputs=True, saved_h13=saved)
+            score_before_experts=score_before, params=cfg, workspace=ws, poison_outputs=True, saved_h13=saved)
     assert_correct(w, outs["sequential"], outs["fused"], score_before=score_before)
     _, recomputed = run_both(w, score_before=score_before, workspace=ws)
     for r in range(2):
@@ -200,32 +198,30 @@ def test_backward_with_h1_h3_saved_by_the_forward(score_before):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
     with pytest.raises(ValueError, match="saved_h13 must be"):
         simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                               schedule="fused", score_before_experts=score_before, config=cfg, workspace=ws,
+                               schedule="fused", score_before_experts=score_before, params=cfg, workspace=ws,
                                saved_h13=saved[:, :-1])
 
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before, monkeypatch):
-    """``dh_copies_rows``: megakernel BA's dH tasks write the weight
+def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before):
+    """``LayerParams.dh_copies_rows``: dispatch_dh's dH tasks write the weight
     gradients' dense slot rows (a column chunk each) instead of the gather
     launch. Every gradient equals the gather path's bit for bit in both
     schedules (poisoned workspace: a chunk no task copies would show up as NaN
     in dW1 / dW2 / dW3); skewed routing with empty experts, odd T."""
-    from titan_uniep import fused_backward
-
     w = make_world(2, 8, 3, [13, 10], seed=83, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
-    cfg = interpreter_config()
+    cfg = interpreter_params()
     saved = saved_h13_of_forward(w, cfg, score_before=score_before)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                     dtype=torch.float32, config=cfg)
+                                     dtype=torch.float32, params=cfg)
     outs = {}
     for copied in (False, True):
-        monkeypatch.setitem(fused_backward.BACKWARD_TILES, "dh_copies_rows", copied)
         for schedule in ("sequential", "fused"):
             ws.poison()
             outs[copied, schedule] = simulated_moe_backward(
                 w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=score_before, config=cfg, workspace=ws, poison_outputs=True, saved_h13=saved)
+                score_before_experts=score_before, params=cfg.replace(dh_copies_rows=copied), workspace=ws,
+                poison_outputs=True, saved_h13=saved)
     assert_correct(w, outs[True, "sequential"], outs[True, "fused"], score_before=score_before)
     for schedule in ("sequential", "fused"):
         for r in range(2):
@@ -235,27 +231,27 @@ def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before, monk
 
 @pytest.mark.parametrize("world,num_tokens,saved", [(2, [13, 10], True), (4, [9, 0, 11, 6], False)])
 def test_backward_local_first_schedule_changes_no_bits(world, num_tokens, saved):
-    """``KernelConfig.local_first`` in megakernel BA (rows that stay on a rank
+    """``LayerParams.local_first`` in dispatch_dh (rows that stay on a rank
     dispatched first by every program, tiles of only those first): every
     gradient equals the default schedule's bit for bit, in both schedules,
     with h1 | h3 saved by the forward or recomputed (skewed routing, a rank
     with no tokens)."""
-    from titan_uniep.kernels.backward import CTL_BWD_OWN_DISPATCH
+    from titan_uniep.kernels.scoreboard import CTL_OWN_DISPATCH_TASKS
 
     w = make_world(world, 8, 3, num_tokens, seed=91 + world, force=5)
-    base = interpreter_config(num_programs=3)
+    base = interpreter_params(num_programs=3)
     saved_h13 = saved_h13_of_forward(w, base) if saved else None
     ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8,
-                                     top_k=3, dtype=torch.float32, config=base)
+                                     top_k=3, dtype=torch.float32, params=base)
     outs = {}
     for flag in (False, True):
         for schedule in ("sequential", "fused"):
             ws.poison()
             outs[flag, schedule] = simulated_moe_backward(
                 w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, config=base.replace(local_first=flag), workspace=ws,
+                score_before_experts=False, params=base.replace(local_first=flag), workspace=ws,
                 poison_outputs=True, saved_h13=saved_h13)
-        claimed = int(ws.inner.control[0, CTL_BWD_OWN_DISPATCH])  # the last (fused) call's own-rows claims
+        claimed = int(ws.inner.control[0, CTL_OWN_DISPATCH_TASKS])  # the last (fused) call's own-rows claims
         assert (claimed > 0) == flag, f"local_first={flag}: {claimed} own-rows dispatch claims"
     assert_correct(w, outs[True, "sequential"], outs[True, "fused"], score_before=False)
     for schedule in ("sequential", "fused"):
@@ -280,17 +276,17 @@ def test_backward_bitwise_and_correct_under_edge_routing(case):
     score_before = case in ("empty_experts", "one_local_expert")
     ws = BackwardWorkspace.simulated(2, num_tokens=max(max(len(x) for x in w["xs"]), 1), dim=DIM, hidden=HIDDEN,
                                      num_experts=w["el"] * 2, top_k=w["indices"][0].shape[1], dtype=torch.float32,
-                                     config=interpreter_config())
+                                     params=interpreter_params())
     seq, fus = run_both(w, score_before=score_before, workspace=ws)
     assert_correct(w, seq, fus, score_before=score_before)
 
 
 def test_backward_silent_rank_times_out_with_a_clear_error():
     w = make_world(2, 8, 3, [6, 6], seed=31)
-    config = interpreter_config(debug_silent_rank=1, interpreter_max_spins=3)
+    params = interpreter_params(debug_silent_rank=1, interpreter_max_spins=3)
     with pytest.raises(RuntimeError, match=r"backward failed on EP rank 0 .*\[x \| dOut\] rows of tile \d+"):
         simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                               schedule="fused", score_before_experts=False, config=config)
+                               schedule="fused", score_before_experts=False, params=params)
 
 
 @pytest.mark.parametrize("local_first", [False, True])
@@ -300,12 +296,14 @@ def test_backward_per_rank_launches_match_the_simulated_world(local_first):
     bits as the whole-world launch (also with ``local_first``)."""
     from types import SimpleNamespace
 
-    from titan_uniep import fused, fused_backward as fb
+    from titan_uniep.kernels.scoreboard import Route
+    from titan_uniep.runtime.backward import launch_backward
+    from titan_uniep.runtime.launch import CallArrays, route
 
-    world, cfg = 2, interpreter_config(local_first=local_first, local_first_experts=1.0)
+    world, cfg = 2, interpreter_params(local_first=local_first, local_first_experts=1.0)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     bws = BackwardWorkspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                      dtype=torch.float32, config=cfg)
+                                      dtype=torch.float32, params=cfg)
     whole = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                    schedule="sequential", score_before_experts=False, workspace=bws)
     ws = bws.inner
@@ -313,25 +311,31 @@ def test_backward_per_rank_launches_match_the_simulated_world(local_first):
                 "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles", "tile_order")
     views = []
     for r in range(world):
+        # Local rank r as a real-EP rank sees it (L = 1, rank_base = r) on the shared arenas.
+        route_args = Route(*(v[r:r + 1] if isinstance(v, torch.Tensor) else v for v in ws.route_args))
         inner = SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, offsets=ws.offsets,
                                 arena_ptrs=ws.arena_ptrs, anchors=ws.anchors, anchor_rank=ws.anchor_rank,
-                                device=ws.device, rank_base=r, num_local_ranks=1,
+                                arena_args=ws.arena_args, route_args=route_args, device=ws.device, rank_base=r,
+                                num_local_ranks=1, is_simulated=False,
                                 **{name: getattr(ws, name)[r:r + 1] for name in per_rank})
+        assert route_args.tables.data_ptr() == inner.route_tables.data_ptr()
         parts = bws.ds_parts[r:r + 1]
         views.append(SimpleNamespace(inner=inner, dim=DIM, dh1=bws.dh1[r:r + 1], dh3=bws.dh3[r:r + 1],
                                      slot_rows=bws.slot_rows[r:r + 1], ds_parts_for=lambda n, parts=parts: parts))
     for step in ("count", "publish", "collect", "place"):
         for r in range(world):
             indices = w["indices"][r].unsqueeze(0)
-            fused._route(views[r].inner, indices, indices.shape[1], cfg, steps=[step])
-    arrays = [fb._rank_arrays(views[r].inner, w["grads"][r], w["xs"][r], w["scores"][r], w["w1s"][r], w["w2s"][r],
-                              w["w3s"][r]) for r in range(world)]
+            route(views[r].inner, indices, indices.shape[1], cfg, steps=[step])
+    # One rank's arrays as moe_backward builds them (L = 1).
+    u = lambda t: t.contiguous().unsqueeze(0)  # noqa: E731
+    arrays = [CallArrays(x=u(w["xs"][r]), grad_out=u(w["grads"][r]), scores=u(w["scores"][r].float()),
+                         w1=u(w["w1s"][r]), w2=u(w["w2s"][r]), w3=u(w["w3s"][r])) for r in range(world)]
     outs = [None] * world
-    for phase in ("dispatch", "dh", "da"):
+    for phase in ("dispatch", "dh", "swiglu", "da"):
         for r in range(world):
-            fb._launch(views[r], arrays[r], cfg, False, [phase])
+            launch_backward(views[r], arrays[r], cfg, False, [phase])
     for r in range(world):  # the outputs are allocated per launch: weight grads and reduce in one launch
-        outs[r] = fb._launch(views[r], arrays[r], cfg, False, ["wgrad", "reduce"])
+        outs[r] = launch_backward(views[r], arrays[r], cfg, False, ["wgrad", "reduce"], poison=True)
     bws.check_errors()
     for r in range(world):
         for name, a, b in zip(NAMES, (o[0] for o in outs[r]), whole[r]):
@@ -340,7 +344,7 @@ def test_backward_per_rank_launches_match_the_simulated_world(local_first):
 
 def test_backward_workspace_grows_when_asked_and_keeps_working():
     ws = BackwardWorkspace.simulated(2, num_tokens=4, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2,
-                                     dtype=torch.float32, config=interpreter_config())
+                                     dtype=torch.float32, params=interpreter_params())
     w = make_world(2, 8, 2, [9, 6], seed=61)
     with pytest.raises(RuntimeError, match="ensure_capacity"):
         run_both(w, score_before=False, workspace=ws)
@@ -351,14 +355,14 @@ def test_backward_workspace_grows_when_asked_and_keeps_working():
 
 @pytest.mark.parametrize("two_a", [True, False])
 def test_weight_grad_kernel_sums_each_experts_rows_only(two_a):
-    """``kernels.wgrad.expert_weight_grad_kernel`` alone, two local ranks: every
+    """``kernels.wgrad.wgrad_kernel`` alone, two local ranks: every
     output block equals A_e^T B_e over exactly the expert's rows (the rows
     around them hold NaN), experts without rows give zeros, M and N are not
     multiples of the tiles; tensor-descriptor and pointer loads give the same bits."""
     import triton
 
     from titan_uniep.kernels.route import ROUTE_TABLE_ROWS, ROW_EXPERT_BASE, ROW_ROWS
-    from titan_uniep.kernels.wgrad import expert_weight_grad_kernel
+    from titan_uniep.kernels.wgrad import wgrad_kernel
 
     gen = torch.Generator().manual_seed(71)
     world, el, m, n, cap = 2, 3, 40, 24, 64
@@ -380,7 +384,7 @@ def test_weight_grad_kernel_sums_each_experts_rows_only(two_a):
         out1 = torch.full((world, el, m, n), float("nan"))
         out2 = out1.clone()
         bm, bn, bk = 16, 16, 8
-        expert_weight_grad_kernel[(el * triton.cdiv(m, bm) * triton.cdiv(n, bn), world)](
+        wgrad_kernel[(el * triton.cdiv(m, bm) * triton.cdiv(n, bn), world)](
             a1, a2, m, cap * m, b, n, cap * n, tables, out1, out2, 0, M=m, N=n, NUM_EXPERTS_LOCAL=el,
             NUM_EXPERTS=world * el, BM=bm, BN=bn, BK=bk, GROUP=2, TWO_A=two_a, TMA=tma, STAGES=1,
             PRECISION="ieee", INTERPRET=True,
@@ -401,7 +405,7 @@ def test_weight_grad_kernel_sums_each_experts_rows_only(two_a):
 
 
 def test_weight_grad_backend_choice_and_errors():
-    from titan_uniep.fused_backward import wgrad_backend
+    from titan_uniep.runtime.backward import wgrad_backend
 
     cpu = torch.device("cpu")
     assert wgrad_backend("auto", torch.bfloat16, cpu) == "triton"

@@ -1,25 +1,27 @@
 """The backward megakernels compile for Hopper (sm_90) on a machine without a GPU.
 
 Same approach as test_kernels_compile.py (``sm90_compile``: Triton's wheel
-ships ptxas): the whole pipeline runs here for the backward's default tiles
-(``fused_backward.backward_block_sizes`` of the default KernelConfig), and
-the checks are those a GPU-less machine can make: every GEMM loop (dH, dA,
-and the Triton weight-gradient kernel's dW1/dW3 and dW2) is software-pipelined
-(async copies or tensor-descriptor loads into shared memory) and uses wgmma,
-ptxas' register spills stay small, shared memory fits an H200 SM. Runs in a
-subprocess: TRITON_INTERPRET must be unset when a kernel is defined for it
-to be compilable.
+ships ptxas): the whole pipeline runs here for the backward's default
+parameters (``params.default_params`` of each shape, every field as
+``runtime.backward`` launches it), and the checks are those a GPU-less
+machine can make: every GEMM loop (dH, dA, and the Triton weight-gradient
+kernel's dW1/dW3 and dW2) is software-pipelined (async copies or
+tensor-descriptor loads into shared memory) and uses wgmma, ptxas' register
+spills stay small, shared memory fits an H200 SM, and each kernel fits as
+many programs per SM as it is launched with. Runs in a subprocess:
+TRITON_INTERPRET must be unset when a kernel is defined for it to be
+compilable.
 """
 
 import pytest
 
 from sm90_compile import run_compile_script
 
-# ptxas spill bytes allowed at the default tiles, per megakernel: the
-# two-pass dH tile (BA) spills ~0.5 KB at 128 columns and was measured faster
-# than the spill-free 64-column tile (fused_backward.BACKWARD_TILES); BB and
-# the weight-gradient kernel do not spill.
-MAX_SPILL_BYTES = {"BA": 1024, "BB": 0, "WG": 0}
+# ptxas spill bytes allowed at the default tiles, per kernel: the two-pass dH
+# tile (dispatch_dh) spills ~0.5 KB at 128 columns and was measured faster
+# than the spill-free 64-column tile (docs/design.md); da_combine and the
+# weight-gradient kernel do not spill.
+MAX_SPILL_BYTES = {"dispatch_dh": 1024, "da_combine": 0, "wgrad": 0}
 MAX_SHARED_BYTES = 227 * 1024
 
 
@@ -28,19 +30,12 @@ def compile_all() -> None:
     import triton
 
     import sm90_compile
-    from sm90_compile import loops, programs_per_sm, ptxas_usage
-    from titan_uniep.fused_backward import ba_max_registers, backward_block_sizes, bb_reduce_dim
-    from titan_uniep.kernels.backward import (dispatch_grad_hidden_kernel, grad_input_combine_kernel,
-                                              swiglu_backward_kernel)
-    from titan_uniep.kernels.tuning import KernelConfig
-    from titan_uniep.kernels.wgrad import expert_weight_grad_kernel
-
-    cfg = KernelConfig()
-    blocks = backward_block_sizes(cfg)
-
-    def build(fn, pointers, consts, num_warps=blocks["warps"], num_stages=blocks["stages"], max_registers=None):
-        return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages,
-                                  max_registers=max_registers)
+    from sm90_compile import arena_types, loops, programs_per_sm, ptxas_usage, route_types
+    from titan_uniep.kernels.da_combine import da_combine_kernel
+    from titan_uniep.kernels.dispatch_dh import dispatch_dh_kernel, swiglu_backward_kernel
+    from titan_uniep.kernels.wgrad import wgrad_kernel
+    from titan_uniep.params import default_params
+    from titan_uniep.runtime.backward import da_reduce_dim, dh_max_registers
 
     def check(kernel, what, gemm_loops, even, tma=False):
         ttgir = kernel.asm["ttgir"]
@@ -48,7 +43,7 @@ def compile_all() -> None:
         regs, spills = ptxas_usage(kernel.asm["ptx"])
         shared = kernel.metadata.shared
         print(f"{what}: {regs} registers, {spills} B spilled, {shared} B shared memory")
-        assert spills <= MAX_SPILL_BYTES[what[:2]], f"{what}: ptxas spills {spills} bytes"
+        assert spills <= MAX_SPILL_BYTES[what.split(" ")[0]], f"{what}: ptxas spills {spills} bytes"
         assert shared <= MAX_SHARED_BYTES, f"{what}: {shared} B of shared memory"
         if even:
             load = "async_tma_copy_global_to_local" if tma else "async_copy_global_to_local"
@@ -56,68 +51,69 @@ def compile_all() -> None:
             assert len(pipelined) >= gemm_loops, f"{what}: {len(pipelined)} of {gemm_loops} GEMM loops pipelined"
 
     bf, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
-    anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32)
-    ba = dict(**anchors, x_ptr=bf, g_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
-              num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-              w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, h13_ptr=bf,
-              g32_ptr=f32, slot_rows_ptr=bf, tile_order_ptr=i32, control_ptr=i64, arena_ptrs=i64)
-    bb = dict(**anchors, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w3_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32,
-              tile_end_ptr=i32, num_tiles_ptr=i32, ds_parts_ptr=f32, scores_ptr=f32, num_tokens_ptr=i32, x_ptr=bf,
-              dx_ptr=bf, ds_ptr=f32, control_ptr=i64, arena_ptrs=i64)
+    packed = dict(arena=arena_types(bf), route=route_types())
+    dh = dict(**packed, x_ptr=bf, g_ptr=bf, scores_ptr=f32, w1_ptr=bf, w2_ptr=bf, w3_ptr=bf, h_ptr=bf, dh1_ptr=bf,
+              dh3_ptr=bf, ds_parts_ptr=f32, h13_ptr=bf, g32_ptr=f32, slot_rows_ptr=bf, control_ptr=i64)
+    da = dict(**packed, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w3_ptr=bf, ds_parts_ptr=f32, scores_ptr=f32, x_ptr=bf,
+              dx_ptr=bf, ds_ptr=f32, control_ptr=i64)
     wg = dict(a1_ptr=bf, a2_ptr=bf, b_ptr=bf, tables_ptr=i32, out1_ptr=bf, out2_ptr=bf)
-    sw = dict(g32_ptr=f32, h13_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32, tables_ptr=i32,
-              arena_ptrs=i64, f32_anchor=f32)
+    sw = dict(arena=arena_types(bf), g32_ptr=f32, h13_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32,
+              tables_ptr=i32)
     for score_before in (False, True):
         shapes = ((2048, 768, True), (96, 80, False)) + (((7168, 2048, True), (4096, 14336, True))
                                                                if not score_before else ())
         for dim, hidden, even in shapes:
+            p = default_params(2, hidden=hidden)  # the parameters as launched for this H (params.DEFAULTS)
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
-                         USE_TIMER=True, GROUP_M=cfg.group_m, BM=cfg.block_m, BK=blocks["bk"], KP=8)
+                         USE_TIMER=True, GROUP_M=p.group_m, BM=p.block_m, KP=8)
             what = f"D={dim} H={hidden} scores {'before' if score_before else 'after'}"
             # h1 | h3 from the forward (the op's path; its dH tasks may also copy the
             # weight gradients' slot rows, dh_copies_rows), or recomputed.
             for saved, copy in ((True, False), (True, True), (False, False)):
-                kernel = build(dispatch_grad_hidden_kernel, ba, dict(
-                    NUM_LOCAL=1, WORLD=2, BN=blocks["dh"], BT=16, BD=512, TWO_PASS=bool(blocks["dh_two_pass"]),
-                    SAVED_H13=saved, COPY_ROWS=copy, BDC=64, **shape), max_registers=ba_max_registers(blocks, saved))
-                loops_ba = 1 if saved else 1 + blocks["dh_two_pass"]
-                name = f"BA (dispatch + dH{', saved h1|h3' if saved else ''}{', copies rows' if copy else ''}) {what}"
-                check(kernel, name, loops_ba, even)
+                kernel = sm90_compile.build(dispatch_dh_kernel, dh, dict(
+                    NUM_LOCAL=1, WORLD=2, BN=p.dh_block_n, BK=p.dh_block_k, BT=p.dispatch_block_tokens,
+                    BD=p.dispatch_block_dim, TWO_PASS=p.dh_two_pass, SAVED_H13=saved, COPY_ROWS=copy,
+                    BDC=min(64, triton.next_power_of_2(dim)), **shape),
+                    num_warps=p.dh_num_warps, num_stages=p.dh_num_stages, max_registers=dh_max_registers(p, saved))
+                loops_dh = 1 if saved else 1 + p.dh_two_pass
+                name = f"dispatch_dh (dispatch + dH{', saved h1|h3' if saved else ''}" \
+                       f"{', copies rows' if copy else ''}) {what}"
+                check(kernel, name, loops_dh, even)
                 if saved:
-                    fit = programs_per_sm(kernel, blocks["warps"])
-                    assert fit >= blocks["dh_programs_per_sm"], f"{name}: {fit} programs fit an SM, launched " \
-                        f"with {blocks['dh_programs_per_sm']}"
-            nhb = -(-hidden // blocks["dh"])
-            da = backward_block_sizes(cfg, hidden)  # the dA keys as launched for this H
-            tma = bool(da["da_tma"]) and hidden % da["da_bk"] == 0  # as fused_backward launches it (bf16)
+                    fit = programs_per_sm(kernel, p.dh_num_warps)
+                    assert fit >= p.dh_programs_per_sm, f"{name}: {fit} programs fit an SM, launched " \
+                        f"with {p.dh_programs_per_sm}"
+            nhb = -(-hidden // p.dh_block_n)
+            tma = p.da_tma and hidden % p.da_block_k == 0  # as runtime.backward launches it (bf16)
             for defer in (False, True):
-                kernel = build(grad_input_combine_kernel, bb, dict(
-                    NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=da["da"], BT=cfg.reduce_block_tokens,
-                    BD=bb_reduce_dim(cfg, score_before),
-                    RET_ROW_F32=dim, PARTS_AT_F32=dim // 2, DEFER_RELEASE=defer, TMA=tma,
-                    **{**shape, "BK": da["da_bk"]}), num_warps=da["da_warps"], num_stages=da["da_stages"])
-                check(kernel, f"BB (dA + reduce{', deferred release' if defer else ''}{', TMA' if tma else ''}) "
-                      f"{what}", 1, even, tma=tma)
-                fit = programs_per_sm(kernel, da["da_warps"])
-                assert fit >= da["da_programs_per_sm"], f"BB {what}: {fit} programs fit an SM, launched with " \
-                    f"{da['da_programs_per_sm']}"
+                opts = dict(num_warps=p.da_num_warps, num_stages=p.da_num_stages, max_registers=p.da_max_registers)
+                kernel = sm90_compile.build(da_combine_kernel, da, dict(
+                    NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=p.da_block_n, BK=p.da_block_k,
+                    BT=p.reduce_block_tokens, BD=da_reduce_dim(p, score_before), RET_ROW_F32=dim, PARTS_AT_F32=dim // 2,
+                    DEFER_RELEASE=defer, TMA=tma, **shape), **opts)
+                check(kernel, f"da_combine (dA + reduce{', deferred release' if defer else ''}"
+                      f"{', TMA' if tma else ''}) {what}", 1, even, tma=tma)
+                fit = programs_per_sm(kernel, p.da_num_warps)
+                assert fit >= p.da_programs_per_sm, f"da_combine {what}: {fit} programs fit an SM, launched with " \
+                    f"{p.da_programs_per_sm}"
             # The SwiGLU backward pass after dH tiles with saved h1 | h3 (no GEMM: no spills).
-            kernel = build(swiglu_backward_kernel, sw, dict(HIDDEN=hidden, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128,
-                                                            SCORE_BEFORE=score_before, BS=32, BN=blocks["dh"]),
-                           num_warps=4, num_stages=1)
+            kernel = sm90_compile.build(swiglu_backward_kernel, sw, dict(
+                HIDDEN=hidden, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, SCORE_BEFORE=score_before, BS=32,
+                BN=p.dh_block_n), num_warps=4, num_stages=1)
             regs, spills = ptxas_usage(kernel.asm["ptx"])
             print(f"SwiGLU backward pass {what}: {regs} registers, {spills} B spilled")
             assert spills == 0, f"SwiGLU backward pass {what}: ptxas spills {spills} bytes"
             if score_before:
                 continue
             # The Triton weight-gradient kernel (the GPU's fallback where torch._grouped_mm
-            # does not run), with tensor descriptors as fused_backward launches it for bf16.
-            for kind, (m, n), two in (("wgrad_w13", (hidden, dim), True), ("wgrad_w2", (dim, hidden), False)):
-                bm, bn, bk, warps, stages = blocks[kind]
-                kernel = build(expert_weight_grad_kernel, wg, dict(
+            # does not run), with tensor descriptors as runtime.backward launches it for bf16.
+            for kind, (m, n), two in (("w13", (hidden, dim), True), ("w2", (dim, hidden), False)):
+                bm, bn, bk, warps, stages = (getattr(p, f"wgrad_{kind}_{field}") for field in (
+                    "block_m", "block_n", "block_k", "num_warps", "num_stages"))
+                kernel = sm90_compile.build(wgrad_kernel, wg, dict(
                     M=m, N=n, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, BM=bm, BN=bn, BK=bk, GROUP=8, TWO_A=two,
                     TMA=True, STAGES=stages, PRECISION="tf32", INTERPRET=False), num_warps=warps, num_stages=stages)
-                check(kernel, f"WG ({kind}) D={dim} H={hidden}", 1, even, tma=True)
+                check(kernel, f"wgrad (dW{kind[1:]}) D={dim} H={hidden}", 1, even, tma=True)
     print("COMPILED OK")
 
 

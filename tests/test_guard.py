@@ -16,7 +16,8 @@ from titan_uniep.config import UniEP
 from titan_uniep.cpu import apply_cpu_shims
 from titan_uniep.moe import BitwiseGuard
 from titan_uniep.parallelize import UniEPExpertParallel, _swap_to_uniep
-from titan_uniep.schedules import reference_schedule, register_schedule
+from titan_uniep.schedules import register_schedule
+from titan_uniep.schedules.reference import reference_schedule
 
 
 class _Model(torch.nn.Module):

@@ -14,12 +14,11 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from titan_uniep.fused import exchange_bytes, simulated_moe_forward
-from titan_uniep.kernels import interpreter_config
-from titan_uniep.kernels.sync import CTL_EPOCH, CTL_OWN_DISPATCH_TASKS
+from titan_uniep.kernels.scoreboard import CTL_EPOCH, CTL_OWN_DISPATCH_TASKS
 from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
-from titan_uniep.reference_math import float64_moe_reference, layout_reference_forward
-from titan_uniep.symm import Workspace, WorkspaceShape, memory_bytes
+from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
+from titan_uniep.params import interpreter_params
+from titan_uniep.runtime import Workspace, WorkspaceShape, exchange_bytes, memory_bytes, simulated_moe_forward
 
 if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
@@ -55,35 +54,65 @@ def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, for
                 w1s=local(w1), w2s=local(w2), w3s=local(w3))
 
 
-def run_both(world_inputs, *, score_before, workspace=None, config=None):
-    """Run sequential and fused on poisoned buffers; return both outputs."""
+def run_both(world_inputs, *, score_before, workspace=None, params=None):
+    """Run sequential and fused on poisoned buffers (the workspace's and a
+    NaN-filled stacked output that the kernels write in place); return both
+    outputs (views of that output)."""
     w = world_inputs
-    config = config or interpreter_config()
+    params = params or interpreter_params()
+    num_tokens = [x.shape[0] for x in w["xs"]]
     outs = {}
     for schedule in ("sequential", "fused"):
         if workspace is not None:
             workspace.poison()
-        poisoned = [torch.full_like(x, float("nan")) for x in w["xs"]]
+        # One row more than the longest rank: rows past T_r must stay untouched.
+        poisoned = torch.full((len(num_tokens), max(num_tokens) + 1, DIM), float("nan"))
         outs[schedule] = simulated_moe_forward(
             w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, config=config, workspace=workspace, outs=poisoned,
+            score_before_experts=score_before, params=params, workspace=workspace, out=poisoned,
         )
+        for r, t in enumerate(num_tokens):
+            view = outs[schedule][r]
+            assert (view.untyped_storage().data_ptr() == poisoned.untyped_storage().data_ptr()
+                    and view.storage_offset() == poisoned[r].storage_offset() and view.shape == (t, DIM)), \
+                f"{schedule} rank {r}: the output is not the view out[r, :T_r]"
+            assert not torch.isnan(poisoned[r, :t]).any(), f"{schedule} rank {r}: a row of out was never written"
+            assert torch.isnan(poisoned[r, t:]).all(), f"{schedule} rank {r}: a row past T_r was written"
     return outs["sequential"], outs["fused"]
 
 
 def assert_correct(world_inputs, sequential, fused, *, score_before):
     w = world_inputs
-    layout_ref = layout_reference_forward(
+    layout_ref = layout_oracle_forward(
         w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], score_before_experts=score_before
     )
     for r, (seq, fus) in enumerate(zip(sequential, fused)):
         assert torch.equal(seq, fus), f"rank {r}: fused differs from sequential"
         assert not torch.isnan(fus).any(), f"rank {r}: NaN in the output (a row was never written)"
-        exact = float64_moe_reference(
+        exact = float64_moe_oracle(
             w["xs"][r], w["scores"][r], w["indices"][r], w["w1"], w["w2"], w["w3"], score_before_experts=score_before
         )
         torch.testing.assert_close(fus.double(), exact, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} vs float64: {m}")
         torch.testing.assert_close(fus, layout_ref[r], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} vs layout ref: {m}")
+
+
+def rank_view(ws, r, local_buffers):
+    """Local rank ``r`` of a simulated workspace as a real-EP rank sees it
+    (L = 1, rank_base = r) on the shared simulated arenas: every per-rank
+    array (and the packed ``Route`` of them) sliced to ``[r:r + 1]``."""
+    from types import SimpleNamespace
+
+    from titan_uniep.kernels.scoreboard import Route
+
+    per_rank = (*local_buffers, "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
+                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles", "tile_order")
+    sliced = {name: (None if getattr(ws, name) is None else getattr(ws, name)[r:r + 1]) for name in per_rank}
+    route_args = Route(*(v[r:r + 1] if isinstance(v, torch.Tensor) else v for v in ws.route_args))
+    assert route_args.tables.data_ptr() == sliced["route_tables"].data_ptr()
+    return SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, offsets=ws.offsets,
+                           arena_ptrs=ws.arena_ptrs, anchors=ws.anchors, anchor_rank=ws.anchor_rank,
+                           arena_args=ws.arena_args, route_args=route_args, device=ws.device, rank_base=r,
+                           num_local_ranks=1, is_simulated=False, **sliced)
 
 
 @pytest.mark.parametrize("combine", ["direct", "staged", "presum"])
@@ -95,23 +124,23 @@ def assert_correct(world_inputs, sequential, fused, *, score_before):
 ])
 def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens, score_before, combine):
     w = make_world(world, num_experts, top_k, num_tokens, seed=1 + world)
-    config = interpreter_config(combine=combine)
+    params = interpreter_params(combine=combine)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
-                             top_k=top_k, dtype=torch.float32, config=config)
-    seq, fus = run_both(w, score_before=score_before, workspace=ws, config=config)
+                             top_k=top_k, dtype=torch.float32, params=params)
+    seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)
     assert_correct(w, seq, fus, score_before=score_before)
 
 
 def test_staged_direct_and_deferred_release_combine_give_the_same_bits():
     w = make_world(2, 8, 3, [10, 7], seed=5)
-    config = interpreter_config(combine="staged")
+    params = interpreter_params(combine="staged")
     ws = Workspace.simulated(2, num_tokens=10, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
-                             config=config)
+                             params=params)
     outs = {}
     for combine, defer in (("direct", True), ("direct", False), ("staged", False)):
         outs[combine, defer] = simulated_moe_forward(
             w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-            score_before_experts=False, workspace=ws, config=config.replace(combine=combine, defer_release=defer),
+            score_before_experts=False, workspace=ws, params=params.replace(combine=combine, fc2_defer_release=defer),
         )
     for key in (("direct", False), ("staged", False)):
         for a, b in zip(outs["direct", True], outs[key]):
@@ -135,7 +164,7 @@ def test_fused_matches_sequential_bitwise_under_edge_routing(case, presum):
     score_before = case in ("empty_experts", "one_local_expert")
     combine = "staged" if case in ("skewed_one_expert", "rank_with_no_tokens") else "direct"
     combine = "presum" if presum else combine
-    seq, fus = run_both(w, score_before=score_before, config=interpreter_config(combine=combine))
+    seq, fus = run_both(w, score_before=score_before, params=interpreter_params(combine=combine))
     assert_correct(w, seq, fus, score_before=score_before)
 
 
@@ -144,31 +173,31 @@ def test_presum_combine_is_close_to_direct_and_bitwise_across_schedules_and_call
     the direct combine), but both schedules share it bit for bit, also when
     one workspace serves both combine modes."""
     w = make_world(2, 8, 4, [12, 9], seed=71)
-    config = interpreter_config(combine="presum")
+    params = interpreter_params(combine="presum")
     ws = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=4, dtype=torch.float32,
-                             config=config)
-    seq, fus = run_both(w, score_before=False, workspace=ws, config=config)
+                             params=params)
+    seq, fus = run_both(w, score_before=False, workspace=ws, params=params)
     assert_correct(w, seq, fus, score_before=False)
     direct = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                    schedule="fused", score_before_experts=False, workspace=ws,
-                                   config=config.replace(combine="direct"))
+                                   params=params.replace(combine="direct"))
     for a, b in zip(direct, fus):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     again = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                                  schedule="fused", score_before_experts=False, workspace=ws, config=config)
+                                  schedule="fused", score_before_experts=False, workspace=ws, params=params)
     for a, b in zip(again, fus):
         assert torch.equal(a, b)
     small = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=4,
-                                dtype=torch.float32, config=config.replace(combine="direct"))
+                                dtype=torch.float32, params=params.replace(combine="direct"))
     with pytest.raises(ValueError, match="presum"):
         simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                              score_before_experts=False, workspace=small, config=config)
+                              score_before_experts=False, workspace=small, params=params)
 
 
 def test_workspace_reuse_across_calls_with_new_routing():
     """Epochs and counter zeroing: one workspace, three calls, new data each time."""
     ws = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2,
-                             dtype=torch.float32, config=interpreter_config())
+                             dtype=torch.float32, params=interpreter_params())
     for call, tokens in enumerate([[12, 5], [3, 12], [8, 8]]):
         w = make_world(2, 8, 2, tokens, seed=100 + call)
         seq, fus = run_both(w, score_before=False, workspace=ws)
@@ -179,7 +208,7 @@ def test_workspace_reuse_across_calls_with_new_routing():
 def test_counts_exchange_gives_every_rank_the_same_table():
     w = make_world(4, 8, 3, [5, 0, 7, 3], seed=21)
     ws = Workspace.simulated(4, num_tokens=7, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                             dtype=torch.float32, config=interpreter_config())
+                             dtype=torch.float32, params=interpreter_params())
     simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                           schedule="fused", score_before_experts=False, workspace=ws)
     expected = torch.stack([count_per_expert(i, 8) for i in w["indices"]])
@@ -189,10 +218,10 @@ def test_counts_exchange_gives_every_rank_the_same_table():
 
 def test_silent_rank_times_out_with_a_clear_error():
     w = make_world(2, 8, 3, [6, 6], seed=31)
-    config = interpreter_config(debug_silent_rank=1, interpreter_max_spins=3)
+    params = interpreter_params(debug_silent_rank=1, interpreter_max_spins=3)
     with pytest.raises(RuntimeError, match=r"rank 0 .*waiting for the dispatched rows of tile \d+ \(tile_arrivals"):
         simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                              schedule="fused", score_before_experts=False, config=config)
+                              schedule="fused", score_before_experts=False, params=params)
 
 
 def test_dedup_sends_each_token_once_per_destination_rank():
@@ -241,31 +270,27 @@ def test_per_rank_launches_match_the_simulated_world(combine, local_first):
     by rank in producer-first order on shared simulated arenas, gives the same
     bits as the whole-world launch (also with ``local_first``: own rows, then
     the others, tiles in each rank's own ``tile_order``)."""
-    from types import SimpleNamespace
+    from titan_uniep.runtime.forward import launch_forward
+    from titan_uniep.runtime.launch import CallArrays, route
 
-    from titan_uniep import fused
-
-    world, cfg = 2, interpreter_config(combine=combine, local_first=local_first, local_first_experts=1.0)
+    world, cfg = 2, interpreter_params(combine=combine, local_first=local_first, local_first_experts=1.0)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     ws = Workspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                             dtype=torch.float32, config=cfg)
+                             dtype=torch.float32, params=cfg)
     whole = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                   schedule="sequential", score_before_experts=False, workspace=ws)
-    per_rank = ("h", "y", "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
-                "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles", "tile_order")
-    views = [SimpleNamespace(shape=ws.shape, element_offsets=ws.element_offsets, arena_ptrs=ws.arena_ptrs,
-                             anchors=ws.anchors, anchor_rank=ws.anchor_rank, device=ws.device, rank_base=r,
-                             num_local_ranks=1, **{name: getattr(ws, name)[r:r + 1] for name in per_rank})
-             for r in range(world)]
+    views = [rank_view(ws, r, ("h", "y")) for r in range(world)]
     for step in ("count", "publish", "collect", "place"):
         for r in range(world):
             indices = w["indices"][r].unsqueeze(0)
-            fused._route(views[r], indices, indices.shape[1], cfg, steps=[step])
-    calls = [fused._prepare_rank_call(views[r], w["xs"][r], w["scores"][r], w["w1s"][r], w["w2s"][r], w["w3s"][r],
-                                      None) for r in range(world)]
+            route(views[r], indices, indices.shape[1], cfg, steps=[step])
+    # One rank's arrays as moe_forward builds them (L = 1), into a NaN-poisoned output.
+    calls = [CallArrays(x=w["xs"][r].unsqueeze(0), scores=w["scores"][r].unsqueeze(0), w1=w["w1s"][r].unsqueeze(0),
+                        w2=w["w2s"][r].unsqueeze(0), w3=w["w3s"][r].unsqueeze(0),
+                        out=torch.full_like(w["xs"][r], float("nan")).unsqueeze(0)) for r in range(world)]
     for phase in ("dispatch", "fc1", "fc2", "send", "reduce"):
         for r in range(world):
-            fused._launch(views[r], calls[r], cfg, False, [phase])
+            launch_forward(views[r], calls[r], cfg, False, [phase])
     ws.check_errors()
     for r in range(world):
         assert torch.equal(calls[r].out[0], whole[r]), f"rank {r}"
@@ -273,7 +298,7 @@ def test_per_rank_launches_match_the_simulated_world(combine, local_first):
 
 def test_workspace_grows_when_asked_and_keeps_working():
     ws = Workspace.simulated(2, num_tokens=4, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2, dtype=torch.float32,
-                             config=interpreter_config())
+                             params=interpreter_params())
     w = make_world(2, 8, 2, [9, 6], seed=61)
     with pytest.raises(RuntimeError, match="ensure_capacity"):
         simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
@@ -297,8 +322,8 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
                                                                       block_m, case):
     """The Triton layout (kernels.route) gives exactly the arrays of the torch
     definition (layout.compute_layout + compute_tiles), on every rank."""
-    from titan_uniep import fused
     from titan_uniep.layout import compute_tiles
+    from titan_uniep.runtime.launch import route
 
     gen = torch.Generator().manual_seed(num_experts * 7 + sum(num_tokens))
     indices = []
@@ -312,15 +337,15 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
             picked[lacks, -1] = 3
         indices.append(picked.contiguous())
     # (local_first: the exchange also writes tile_order, here for half the local experts)
-    cfg = interpreter_config(block_m=block_m, local_first=True, local_first_experts=0.5)
+    cfg = interpreter_params(block_m=block_m, local_first=True, local_first_experts=0.5)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
-                             top_k=top_k, dtype=torch.float32, config=cfg)
+                             top_k=top_k, dtype=torch.float32, params=cfg)
     cap = ws.shape.token_capacity
     padded = torch.full((world, cap, top_k), -1, dtype=torch.int64)
     for r, idx in enumerate(indices):
         padded[r, :idx.shape[0]] = idx
     ws.num_tokens.copy_(torch.tensor(num_tokens, dtype=torch.int32))
-    fused._route(ws, padded, None, cfg)
+    route(ws, padded, None, cfg)
     ws.check_errors()
     counts_all = torch.stack([count_per_expert(i, num_experts) for i in indices])
     for r in range(world):
@@ -335,7 +360,7 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
         assert torch.equal(ws.tile_start[r], tiles.tile_start), f"rank {r}: tile_start"
         assert torch.equal(ws.tile_end[r], tiles.tile_end), f"rank {r}: tile_end"
         assert torch.equal(ws.num_tiles[r:r + 1], tiles.num_tiles), f"rank {r}: num_tiles"
-        # tile_order (KernelConfig.local_first): the tiles of the first half of the
+        # tile_order (LayerParams.local_first): the tiles of the first half of the
         # local experts whose rows all come from rank r itself first, then the
         # others, each in id order.
         el = num_experts // world
@@ -357,7 +382,7 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
     (2, [10, 7], "rank_receives_nothing", "direct"),
 ])
 def test_local_first_schedule_changes_no_bits(world, num_tokens, case, combine):
-    """``KernelConfig.local_first``: rows that stay on a rank are dispatched
+    """``LayerParams.local_first``: rows that stay on a rank are dispatched
     first by every program and the tiles holding only those run first; the
     others follow. Same outputs, bit for bit, as the default schedule (fused
     and sequential), and correct (skewed routing, a rank with no tokens, a rank
@@ -365,12 +390,12 @@ def test_local_first_schedule_changes_no_bits(world, num_tokens, case, combine):
     allowed = [0, 1, 2, 3] if case == "rank_receives_nothing" else None
     w = make_world(world, 8, 3, num_tokens, seed=31 + world, allowed=allowed,
                    force=5 if case == "skewed" else None)
-    base = interpreter_config(combine=combine, num_programs=3)
+    base = interpreter_params(combine=combine, num_programs=3)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                             dtype=torch.float32, config=base)
+                             dtype=torch.float32, params=base)
     outs = {}
     for flag in (False, True):
-        outs[flag] = run_both(w, score_before=False, workspace=ws, config=base.replace(local_first=flag))
+        outs[flag] = run_both(w, score_before=False, workspace=ws, params=base.replace(local_first=flag))
         # Own-rows dispatch claims of the last (fused) call (one counter, row 0, serves the simulated world).
         claimed = int(ws.control[0, CTL_OWN_DISPATCH_TASKS])
         assert (claimed > 0) == flag, f"local_first={flag}: {claimed} own-rows dispatch claims"
@@ -380,14 +405,29 @@ def test_local_first_schedule_changes_no_bits(world, num_tokens, case, combine):
             assert torch.equal(outs[False][schedule][r], outs[True][schedule][r]), f"rank {r}: local_first changed bits"
 
 
-def test_default_config_per_shape_choice():
-    """EP-size default, plus, for small expert hidden dims, every program
-    dispatching first and megakernel B as two programs per SM."""
-    from titan_uniep.kernels import default_config
-    from titan_uniep.kernels.tuning import DISPATCH_FIRST_COMM_SMS
+def test_default_params_per_shape_choice():
+    """The defaults table (params.DEFAULTS, keyed by EP size and shape class):
+    the EP-size default for long expert GEMMs; for small expert hidden dims
+    (short, H <= 1024) every program dispatching first, fc2_combine as two
+    4-warp programs per SM with 128-column tiles and da_combine as two 4-warp
+    programs per SM with a 32-deep K step; for medium ones (H <= 2048) only the
+    da_combine choice. Other EP sizes take the closest smaller tuned size's
+    entry (the smallest's below it)."""
+    from titan_uniep.params import DEFAULTS, LayerParams, default_params, shape_class
 
-    base = default_config(2)
-    assert base.combine == "direct" and base.num_comm_sms == 16 and base.fc2_programs_per_sm == 1
-    assert default_config(2, hidden=2048) == base and default_config(2, hidden=14336) == base
-    assert default_config(2, hidden=768) == base.replace(
-        num_comm_sms=DISPATCH_FIRST_COMM_SMS, block_n_fc2=128, fc2_num_warps=4, fc2_programs_per_sm=2)
+    base = default_params(2, hidden=14336)
+    assert base == LayerParams() == DEFAULTS[2, "long"]
+    assert base.combine == "direct" and base.dispatch_programs == 16 and base.fc2_programs_per_sm == 1
+    assert (base.fc2_block_n, base.fc2_num_warps, base.da_block_k, base.da_num_warps, base.da_programs_per_sm) == (
+        256, 8, 64, 8, 1)
+    short_da = dict(da_block_k=32, da_num_warps=4, da_programs_per_sm=2)
+    assert default_params(2, hidden=768) == base.replace(
+        dispatch_programs=1024, fc2_block_n=128, fc2_num_warps=4, fc2_programs_per_sm=2, **short_da)
+    assert default_params(2, hidden=1024) == default_params(2, hidden=768)
+    assert default_params(2, hidden=2048) == base.replace(**short_da) == default_params(2, hidden=1025)
+    assert default_params(2, hidden=2049) == base
+    assert [shape_class(h) for h in (768, 1024, 1025, 2048, 2049)] == ["short", "short", "medium", "medium", "long"]
+    for h in (768, 2048, 14336):  # EP sizes without a row of their own
+        assert default_params(1, hidden=h) == default_params(8, hidden=h) == default_params(2, hidden=h)
+    with pytest.raises(ValueError, match="ep_size"):
+        default_params(0, hidden=768)

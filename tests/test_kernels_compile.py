@@ -16,27 +16,24 @@ def compile_all() -> None:
     import torch
 
     import sm90_compile
+    from sm90_compile import arena_types, route_types
 
     from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
-    from titan_uniep.kernels.route import route_histogram_kernel, route_layout_kernel
-    from titan_uniep.kernels.sync import exchange_counts_kernel
-    from titan_uniep.kernels.tuning import default_config
+    from titan_uniep.kernels.route import exchange_counts_kernel, route_histogram_kernel, route_layout_kernel
+    from titan_uniep.params import default_params
 
     def build(fn, pointers, consts, num_warps=8, num_stages=3):
         return sm90_compile.build(fn, pointers, consts, num_warps=num_warps, num_stages=num_stages).asm["ttgir"]
 
     bf, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
-    anchors = dict(act_anchor=bf, i32_anchor=i32, f32_anchor=f32, i64_anchor=i64)
-    a_ptrs = dict(**anchors, x_ptr=bf, scores_ptr=f32, dest_rank_ptr=i32, dest_slot_ptr=i32, dest_tile_ptr=i32,
-                  num_tokens_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-                  tile_order_ptr=i32, w1_ptr=bf, w3_ptr=bf, h_ptr=bf, h13_ptr=bf, control_ptr=i64, arena_ptrs=i64)
-    b_ptrs = dict(**anchors, y_ptr=bf, h_ptr=bf, w2_ptr=bf, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32,
-                  scores_ptr=f32, num_tokens_ptr=i32, out_ptr=bf, control_ptr=i64, arena_ptrs=i64, dest_rank_ptr=i32)
+    packed = dict(arena=arena_types(bf), route=route_types())
+    a_ptrs = dict(**packed, x_ptr=bf, scores_ptr=f32, w1_ptr=bf, w3_ptr=bf, h_ptr=bf, h13_ptr=bf, control_ptr=i64)
+    b_ptrs = dict(**packed, h_ptr=bf, w2_ptr=bf, scores_ptr=f32, out_ptr=bf, y_ptr=bf, control_ptr=i64)
     for score_before in (False, True):
         for dim, hidden, even in ((2048, 768, True), (96, 80, False)):
-            shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, EVEN_K=even, EVEN_N=even,
-                         PRECISION="tf32", USE_TIMER=True, GROUP_M=8, BK=64, BT=16, BM=128)
+            shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
+                         USE_TIMER=True, GROUP_M=8, BK=64, BT=16, BM=128)
             for presum, save_h13 in ((False, False), (True, False), (False, True)):
                 ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=2, BN=128, BD=512, KP=8,
                                                                 PRESUM=presum, SAVE_H13=save_h13, **shape))
@@ -50,33 +47,35 @@ def compile_all() -> None:
                 assert "warp_group_dot" in ttgir, "fc2 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc2 K-loop is not pipelined"
-    # The per-shape B of short expert GEMMs (kernels.tuning.SHORT_FC2) must fit
-    # as many programs per SM as it is launched with.
-    cfg = default_config(2, hidden=768)
-    shape = dict(DIM=2048, HIDDEN=768, TOP_K=8, SCORE_BEFORE=False, EVEN_K=True, EVEN_N=True, PRECISION="tf32",
-                 USE_TIMER=True, GROUP_M=cfg.group_m, BK=cfg.block_k, BT=cfg.reduce_block_tokens, BM=cfg.block_m)
+    # The short-K shapes' fc2_combine (params.DEFAULTS row (2, "short"): 128-column
+    # tiles, 4 warps, two programs per SM) must fit as many programs per SM as it
+    # is launched with; every field as runtime.forward launches it.
+    params = default_params(2, hidden=768)
+    assert params.fc2_programs_per_sm > 1, "the short-K defaults run fc2_combine at two programs per SM"
+    shape = dict(DIM=2048, HIDDEN=768, TOP_K=8, SCORE_BEFORE=False, PRECISION="tf32", USE_TIMER=True,
+                 GROUP_M=params.group_m, BK=params.fc2_block_k, BT=params.reduce_block_tokens, BM=params.block_m)
     kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
-        NUM_LOCAL=1, BN=cfg.block_n_fc2, BD=cfg.reduce_block_dim, STAGED=False, DEFER_RELEASE=cfg.defer_release,
-        PRESUM=False, WORLD=2, KP=8, **shape), num_warps=cfg.fc2_num_warps, num_stages=cfg.num_stages)
-    fit = sm90_compile.programs_per_sm(kernel, cfg.fc2_num_warps)
-    assert fit >= cfg.fc2_programs_per_sm, f"B (H=768): {fit} programs fit an SM, launched with " \
-        f"{cfg.fc2_programs_per_sm}"
-    # KernelConfig.fc2_tma: fc2's operands through tensor descriptors, pipelined into wgmma.
+        NUM_LOCAL=1, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False,
+        DEFER_RELEASE=params.fc2_defer_release, PRESUM=False, WORLD=2, KP=8, TMA=params.fc2_tma, **shape),
+        num_warps=params.fc2_num_warps, num_stages=params.fc2_num_stages, max_registers=params.fc2_max_registers)
+    fit = sm90_compile.programs_per_sm(kernel, params.fc2_num_warps)
+    assert fit >= params.fc2_programs_per_sm, f"fc2_combine (H=768): {fit} programs fit an SM, launched with " \
+        f"{params.fc2_programs_per_sm}"
+    # LayerParams.fc2_tma: fc2's operands through tensor descriptors, pipelined into wgmma.
     ttgir = build(fc2_combine_kernel, b_ptrs, dict(
-        NUM_LOCAL=2, BN=cfg.block_n_fc2, BD=cfg.reduce_block_dim, STAGED=False, DEFER_RELEASE=False, PRESUM=False,
-        WORLD=2, KP=8, TMA=True, **shape), num_warps=cfg.fc2_num_warps)
+        NUM_LOCAL=2, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
+        PRESUM=False, WORLD=2, KP=8, TMA=True, **shape), num_warps=params.fc2_num_warps)
     assert any("warp_group_dot " in b and "async_tma_copy_global_to_local" in b for b in sm90_compile.loops(ttgir)), \
         "fc2 with tensor descriptors: the K-loop is not a pipelined TMA + wgmma loop"
-    route = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32, tile_expert_ptr=i32,
-                 tile_start_ptr=i32, tile_end_ptr=i32, num_tiles_ptr=i32, tile_order_ptr=i32)
+    layout = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32)
     for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):
-        build(exchange_counts_kernel, dict(**anchors, **route, counts_all_ptr=i64, control_ptr=i64, arena_ptrs=i64),
+        build(exchange_counts_kernel, dict(**packed, block_counts_ptr=i32, counts_all_ptr=i64, control_ptr=i64),
               dict(WORLD=2, NUM_EXPERTS=experts, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
                    BLOCK=1024, USE_TIMER=True, TOP_K=8, EP=experts, ELP=local_pow2, BM=128, ROUTE_BLOCK=route_block,
                    SB=max(1, 8192 // experts), CB=256, TILE_ORDER=experts != 8), num_warps=4)
         build(route_histogram_kernel, dict(indices_ptr=i64, num_tokens_ptr=i32, block_counts_ptr=i32),
               dict(NUM_EXPERTS=experts, EP=experts, TOP_K=8, BLOCK=route_block, TOKENS_FROM_HOST=True), num_warps=4)
-        build(route_layout_kernel, dict(indices_ptr=i64, **route, dest_rank_ptr=i32, dest_slot_ptr=i32,
+        build(route_layout_kernel, dict(indices_ptr=i64, **layout, dest_rank_ptr=i32, dest_slot_ptr=i32,
                                         dest_tile_ptr=i32),
               dict(NUM_EXPERTS=experts, WORLD=2, TOP_K=8, BM=128, BLOCK=route_block), num_warps=4)
     print("COMPILED OK")

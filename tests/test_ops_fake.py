@@ -11,7 +11,7 @@ from distributed import run_distributed
 
 
 def _body(rank: int, world: int) -> None:
-    from titan_uniep import ops
+    from titan_uniep import op
     from titan_uniep.layout import slot_capacity
 
     group = dist.group.WORLD
@@ -22,13 +22,13 @@ def _body(rank: int, world: int) -> None:
         indices = torch.empty(tokens, top_k, dtype=torch.int64)
         w1 = torch.empty(local_experts, hidden, dim, dtype=torch.bfloat16)
         w2 = torch.empty(local_experts, dim, hidden, dtype=torch.bfloat16)
-        out, h13 = ops.moe_experts(x, scores, indices, w1, w2, w1, group.group_name, "fused", False)
+        out, h13 = op.moe_experts(x, scores, indices, w1, w2, w1, group.group_name, "fused", False)
         assert tuple(out.shape) == (tokens, dim) and out.dtype == torch.bfloat16
         # No workspace yet: the capacity it will be built with, max(T, reserved).
         assert tuple(h13.shape) == (slot_capacity(world, tokens, top_k, local_experts), 2 * hidden)
         assert h13.dtype == torch.bfloat16
-        ops.reserve_tokens(group, 100)
-        _, h13 = ops.moe_experts(x, scores, indices, w1, w2, w1, group.group_name, "fused", False)
+        op.reserve_tokens(group, 100)
+        _, h13 = op.moe_experts(x, scores, indices, w1, w2, w1, group.group_name, "fused", False)
         assert tuple(h13.shape) == (world * 100 * min(top_k, local_experts), 2 * hidden)
 
 

@@ -6,6 +6,7 @@ hidden from the runs, so this is the CPU path on every machine.
 
 import math
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -30,9 +31,20 @@ def train(config: str, dump_folder: Path, *overrides: str) -> dict[int, float]:
     """Run ./run_train.sh on 2 CPU processes; return {step: loss} from its loss.jsonl."""
     env = dict(os.environ, NGPU="2", LOG_RANK="0", CONFIG_FILE=config, CUDA_VISIBLE_DEVICES="")
     cmd = ["./run_train.sh", "--training.steps", str(STEPS), "--job.dump_folder", str(dump_folder), *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    # Its own process group: on a timeout the whole run goes (torchrun's workers
+    # too), instead of orphaned workers training on and slowing what follows.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except BaseException as exc:  # a timeout, or the test session interrupted
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        pytest.fail(f"{' '.join(cmd)} ran past {RUN_TIMEOUT_S} s:\n{(stdout + stderr)[-6000:]}")
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{(stdout + stderr)[-6000:]}")
     return load_run(dump_folder).losses
 
 

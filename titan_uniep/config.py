@@ -11,9 +11,10 @@ the parallel dimensions or the model run in the parallelize hook
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-SCHEDULES = ("reference", "sequential", "fused")
+ScheduleName = Literal["reference", "sequential", "fused"]
+SCHEDULE_NAMES = get_args(ScheduleName)
 GUARDS = ("off", "check", "strict")
 
 
@@ -26,10 +27,10 @@ class UniEP:
     (``deepseek_v3_uniep``, ``qwen3_uniep``, ``llama4_uniep``). With
     ``enable = false`` a ``*_uniep`` model trains exactly like its base model."""
 
-    schedule: Literal["reference", "sequential", "fused"] = "reference"
+    schedule: ScheduleName = "reference"
     """How the exchange and the expert FFN run. ``"reference"``: torch
     collectives (NCCL on GPU, gloo on CPU) into UniEP's deterministic layout,
-    experts as grouped GEMMs; runs anywhere and is the oracle of the others.
+    one matmul per expert; runs anywhere and is what the kernels are tested against.
     ``"sequential"``: UniEP's Triton kernels, all communication then all
     compute. ``"fused"``: the same kernels with communication and GEMM tiles
     overlapped (GPU only); bitwise equal to ``"sequential"``."""
@@ -52,10 +53,10 @@ class UniEP:
     def __post_init__(self) -> None:
         if not isinstance(self.enable, bool):
             raise ValueError(f"[uniep] enable must be true or false, got {self.enable!r}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(
                 f"[uniep] schedule = {self.schedule!r} is not a schedule; "
-                f"use one of {', '.join(repr(s) for s in SCHEDULES)}"
+                f"use one of {', '.join(repr(s) for s in SCHEDULE_NAMES)}"
             )
         if self.guard not in GUARDS:
             raise ValueError(

@@ -144,3 +144,27 @@ def apply_cpu_shims() -> bool:
         _fsdp_sum_only_reductions()
         _applied = True
     return True
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (x86: AVX512-BF16 or AMX-BF16;
+    Arm: the BF16 extension). Elsewhere bf16 matmuls are emulated, an order of
+    magnitude slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def fp32_compute_args() -> list[str]:
+    """TorchTitan overrides that compute in fp32 on a CPU without native bf16
+    (none elsewhere, and none on GPUs). They go before the user's own
+    arguments, so ``--training.mixed_precision_param bfloat16`` still wins."""
+    if torch.cuda.is_available() or cpu_has_native_bf16():
+        return []
+    return ["--training.mixed_precision_param", "float32"]

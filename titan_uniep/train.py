@@ -24,9 +24,11 @@ import sys
 import time
 
 import torch
+from torchtitan.config.manager import ConfigManager
+from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
-from titan_uniep.cpu import apply_cpu_shims
+from titan_uniep.cpu import apply_cpu_shims, fp32_compute_args
 
 LOSS_FILE = "loss.jsonl"
 
@@ -89,7 +91,17 @@ def main() -> None:
     # instead of waiting on a network that training machines do not have.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    apply_cpu_shims()
+    if apply_cpu_shims():
+        overrides = fp32_compute_args()
+        if overrides:
+            # TorchTitan 0.2.2's ConfigManager.parse_args(args=sys.argv[1:]) binds
+            # its default when torchtitan is imported, so a change to sys.argv now
+            # would not reach it: the overrides go into that default list itself,
+            # ahead of the user's arguments (which still win).
+            ConfigManager.parse_args.__defaults__[0][0:0] = overrides
+            init_logger()  # torchtitan's main sets it up the same way again
+            logger.info("UniEP: this CPU has no native bf16, so training computes in fp32 "
+                        "(%s; add --training.mixed_precision_param bfloat16 to keep bf16)", " ".join(overrides))
     torchtitan_main(LossRecordingTrainer)
     if not torch.cuda.is_available():
         # Training finished and the process group is gone; skip the C++ static

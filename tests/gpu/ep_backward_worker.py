@@ -11,11 +11,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from titan_uniep.fused import moe_forward
-from titan_uniep.fused_backward import BackwardWorkspace, moe_backward
-from titan_uniep.kernels import default_config
-from titan_uniep.symm import Workspace
-from titan_uniep.reference_math import float64_moe_reference
+from titan_uniep.oracle import float64_moe_oracle
+from titan_uniep.params import default_params
+from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
 
 NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
 
@@ -57,12 +55,16 @@ def main() -> None:
                     w3[mine].contiguous(), workspace=fwd_ws, schedule="fused", score_before_experts=score_before,
                     saved_h13=h13, error_check="sync")
         for schedule in ("sequential", "fused", "local_first"):
-            # local_first: BA dispatches the rows that stay on this rank first (KernelConfig.local_first).
+            # local_first: dispatch_dh dispatches the rows that stay on this rank first (LayerParams.local_first),
+            # then 16 programs send the others while the rest start on own-rows tiles (with the short-K
+            # defaults' dispatch_programs every program would send).
+            local_first = schedule == "local_first"
             outs[f"saved_{schedule}"] = moe_backward(
                 gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
                 w3[mine].contiguous(), workspace=ws, schedule=schedule.replace("local_first", "fused"),
                 score_before_experts=score_before, saved_h13=h13, error_check="sync",
-                config=default_config(world).replace(local_first=schedule == "local_first"))
+                params=default_params(world, hidden=hidden).replace(
+                    local_first=local_first, **(dict(dispatch_programs=16) if local_first else {})))
         # The fused backward (route kernels, megakernels, lazy error poll) never syncs.
         args = (gs[rank], xs[rank], ss[rank], ids[rank], w1[mine].contiguous(), w2[mine].contiguous(),
                 w3[mine].contiguous())
@@ -86,7 +88,7 @@ def main() -> None:
         for r in range(world):
             x = xs[r].double().requires_grad_()
             s = ss[r].double().requires_grad_()
-            out = float64_moe_reference(x, s, ids[r], *leaves, score_before_experts=score_before)
+            out = float64_moe_oracle(x, s, ids[r], *leaves, score_before_experts=score_before)
             if out.requires_grad:
                 (out * gs[r].double()).sum().backward()
             if r == rank:

@@ -19,14 +19,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_uniep.fused import moe_forward
-from titan_uniep.kernels import default_config
-from titan_uniep.reference_math import float64_moe_reference
-from titan_uniep.symm import Workspace
+from titan_uniep.oracle import float64_moe_oracle
+from titan_uniep.params import default_params
+from titan_uniep.runtime import Workspace, moe_forward
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 16, 4, 1000
 # Combine modes checked in part 1 (UNIEP_EP_COMBINES="direct,presum" keeps a short device run short).
-# (combine, defer_release, local_first)
+# (combine, fc2_defer_release, local_first)
 _ALL_COMBINES = {"direct": ("direct", False, False), "deferred": ("direct", True, False),
                  "staged": ("staged", False, False), "presum": ("presum", False, False),
                  "local_first": ("direct", False, True)}
@@ -66,7 +65,7 @@ def local(w, rank, world):
 def check_close(out, x, scores, idx, weights, score_before, what):
     if x.shape[0] == 0:
         return
-    exact = float64_moe_reference(x, scores, idx, *weights, score_before_experts=score_before)
+    exact = float64_moe_oracle(x, scores, idx, *weights, score_before_experts=score_before)
     scale = exact.abs().max().item()
     err = (out.double() - exact).abs().max().item()
     if err > 3e-2 * scale:
@@ -83,9 +82,10 @@ def main():
     w1, w2, w3 = global_weights(dev)
     mine = [local(w, rank, world) for w in (w1, w2, w3)]
     # Built for the presum combine (y, partials, token_slots/tiles), so every combine mode runs on it.
-    direct = default_config(world).replace(combine="direct")
+    shipped = default_params(world, hidden=HIDDEN)  # the defaults of this EP size and shape (params.DEFAULTS)
+    direct = shipped.replace(combine="direct")
     ws = Workspace.for_group(group, num_tokens=TOKENS, dim=DIM, hidden=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-                             dtype=torch.bfloat16, device=dev, config=direct.replace(combine="presum"))
+                             dtype=torch.bfloat16, device=dev, params=direct.replace(combine="presum"))
     log(f"workspace bytes per rank: {ws.memory_bytes()}")
 
     # 1. correctness, bitwise schedules, several routings, one workspace
@@ -99,7 +99,10 @@ def main():
                     ws.poison()
                     outs[schedule, combine, defer, local_first] = moe_forward(
                         x, scores, idx, *mine, workspace=ws, schedule=schedule, score_before_experts=score_before,
-                        config=direct.replace(combine=combine, defer_release=defer, local_first=local_first),
+                        # local_first overlaps anything only with dispatch_programs below the grid
+                        # (the short-K defaults let every program dispatch first): 16, as before.
+                        params=direct.replace(combine=combine, fc2_defer_release=defer, local_first=local_first,
+                                              **(dict(dispatch_programs=16) if local_first else {})),
                         error_check="sync",
                     )
             # The presum combine rounds differently (fp32 partial per expert rank): its own bitwise class.
@@ -114,7 +117,7 @@ def main():
 
     def fused_forward(x, scores, idx):
         return moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False,
-                           config=default_config(world))  # the shipped default combine
+                           params=shipped)  # the shipped defaults (the workspace's are built for presum)
 
     # 2. no host sync on the fused path
     x, scores, idx = routed_inputs(7, TOKENS, dev)
@@ -157,9 +160,9 @@ def main():
 
     # 4. a silent rank: clear error on every rank, bounded time
     dist.barrier()
-    silent = default_config(world).replace(debug_silent_rank=world - 1, timeout_s=0.5)
+    silent = shipped.replace(debug_silent_rank=world - 1, timeout_s=0.5)
     broken = Workspace.for_group(group, num_tokens=TOKENS, dim=DIM, hidden=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-                                 dtype=torch.bfloat16, device=dev, config=silent)
+                                 dtype=torch.bfloat16, device=dev, params=silent)
     x, scores, idx = routed_inputs(9, TOKENS, dev)
     try:
         moe_forward(x, scores, idx, *mine, workspace=broken, schedule="fused", score_before_experts=False,

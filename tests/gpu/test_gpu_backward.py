@@ -6,11 +6,9 @@ Run on the GPU machine: ``python -m pytest tests/gpu/test_gpu_backward.py``.
 import pytest
 import torch
 
-from titan_uniep import fused_backward
-from titan_uniep.fused import simulated_moe_forward
-from titan_uniep.fused_backward import BackwardWorkspace, simulated_moe_backward
-from titan_uniep.symm import Workspace
-from titan_uniep.reference_math import float64_moe_reference
+from titan_uniep.oracle import float64_moe_oracle
+from titan_uniep.params import default_params
+from titan_uniep.runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -51,7 +49,7 @@ def float64_grads(w, score_before):
     for r in range(len(w["xs"])):
         x = w["xs"][r].double().requires_grad_()
         s = w["scores"][r].double().requires_grad_()
-        out = float64_moe_reference(x, s, w["indices"][r], *leaves, score_before_experts=score_before)
+        out = float64_moe_oracle(x, s, w["indices"][r], *leaves, score_before_experts=score_before)
         if not out.requires_grad:
             per_rank.append([torch.zeros_like(x), torch.zeros_like(s)])
             continue
@@ -64,23 +62,20 @@ def float64_grads(w, score_before):
     return per_rank
 
 
-def check(w, *, score_before, wgrad="auto", saved=False, tiles=None):
+def check(w, *, score_before, wgrad="auto", saved=False, overrides=None):
     """Fused == sequential == run again bitwise, no NaN, close to float64;
-    returns the fused gradients. ``tiles``: more ``BACKWARD_TILES`` overrides."""
+    returns the fused gradients. The backward runs the shape's default
+    ``LayerParams`` with ``wgrad_backend=wgrad`` and ``overrides``."""
     world = len(w["xs"])
-    defaults = dict(fused_backward.BACKWARD_TILES)
-    fused_backward.BACKWARD_TILES.update(wgrad=wgrad, **(tiles or {}))
-    try:
-        return _check(w, world, score_before, saved)
-    finally:
-        fused_backward.BACKWARD_TILES.clear()
-        fused_backward.BACKWARD_TILES.update(defaults)
+    params = default_params(world, hidden=HIDDEN).replace(wgrad_backend=wgrad, **(overrides or {}))
+    return _check(w, world, score_before, saved, params)
 
 
-def _check(w, world, score_before, saved):
+def _check(w, world, score_before, saved, params):
     num_tokens, top_k = max(max(len(x) for x in w["xs"]), 1), w["indices"][0].shape[1]
     ws = BackwardWorkspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
-                                     num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda")
+                                     num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda",
+                                     params=params)
     h13 = None
     if saved:  # h1 | h3 saved by the forward, as the custom op runs it
         fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
@@ -95,7 +90,7 @@ def _check(w, world, score_before, saved):
         outs[schedule] = simulated_moe_backward(
             w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
             schedule=schedule.replace("_again", ""), score_before_experts=score_before, workspace=ws,
-            poison_outputs=True, saved_h13=h13,
+            params=params, poison_outputs=True, saved_h13=h13,
         )
     exact = float64_grads(w, score_before)
     for r in range(world):
@@ -145,33 +140,32 @@ def test_gpu_backward_with_h1_h3_saved_by_the_forward(world, score_before):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
-    """Forward B's fc2 (``KernelConfig.fc2_tma``) and backward BB's dA
-    (``BACKWARD_TILES["da_tma"]``) read their dense operands through tensor
+    """fc2_combine's fc2 (``LayerParams.fc2_tma``) and da_combine's dA
+    (``LayerParams.da_tma``) read their dense operands through tensor
     descriptors: the same bits as pointer loads, in both schedules, with
     several simulated ranks per launch (row offsets per local rank)."""
-    from titan_uniep import fused
-    from titan_uniep.kernels import default_config
+    from titan_uniep.runtime import backward, launch
 
-    made, original = [], fused.ensure_tma_allocator
+    made, original = [], launch.ensure_tma_allocator
 
     def spy():  # the host side sets the allocator exactly when it launches with descriptors
         made.append(1)
         original()
 
-    monkeypatch.setattr(fused, "ensure_tma_allocator", spy)
-    monkeypatch.setattr(fused_backward, "ensure_tma_allocator", spy)
+    monkeypatch.setattr(launch, "ensure_tma_allocator", spy)  # tma_rows (fc2, dA)
+    monkeypatch.setattr(backward, "ensure_tma_allocator", spy)  # the Triton weight gradients
     w = make_world(world, 16, 4, TOKENS[world], seed=30 + world)
     num_tokens = max(len(x) for x in w["xs"])
     fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16, top_k=4,
                               dtype=torch.bfloat16, device="cuda")
-    base = default_config(world, hidden=HIDDEN)
+    base = default_params(world, hidden=HIDDEN)
     outs = {}
     for tma in (False, True):
         for schedule in ("sequential", "fused"):
             fwd.poison()
             outs[tma, schedule] = [o.clone() for o in simulated_moe_forward(
                 w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, workspace=fwd, config=base.replace(fc2_tma=tma))]
+                score_before_experts=False, workspace=fwd, params=base.replace(fc2_tma=tma))]
     assert made, "the forward did not take the tensor-descriptor path"
     for r in range(world):
         for key in outs:
@@ -180,13 +174,13 @@ def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
                                       top_k=4, dtype=torch.bfloat16, device="cuda")
     made.clear()
     grads = {}
+    assert HIDDEN % base.da_block_k == 0  # (runtime.backward reads dA's operands by descriptors only then)
     for tma in (False, True):
-        monkeypatch.setitem(fused_backward.BACKWARD_TILES, "da_tma", tma)
         for schedule in ("sequential", "fused"):
             bws.poison()
             grads[tma, schedule] = [[g.clone() for g in rank] for rank in simulated_moe_backward(
                 w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, workspace=bws, poison_outputs=True)]
+                score_before_experts=False, workspace=bws, poison_outputs=True, params=base.replace(da_tma=tma))]
     assert made, "the backward did not take the tensor-descriptor path"
     for r in range(world):
         for key in grads:
@@ -198,13 +192,13 @@ def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
 @pytest.mark.parametrize("option", ["dh_copies_rows"])
 @pytest.mark.parametrize("world,score_before", [(2, False), (2, True), (8, False)])
 def test_gpu_backward_options_change_no_bits(world, score_before, option):
-    """``BACKWARD_TILES["dh_copies_rows"]``: megakernel BA's dH tasks (two
-    per SM, under a register cap) write the weight gradients' dense slot rows
-    instead of the gather launch. Every gradient equals the other setting's
-    bit for bit (and is bitwise across schedules, close to float64)."""
+    """``LayerParams.dh_copies_rows``: dispatch_dh's dH tasks (two per SM,
+    under a register cap) write the weight gradients' dense slot rows instead
+    of the gather launch. Every gradient equals the other setting's bit for
+    bit (and is bitwise across schedules, close to float64)."""
     w = make_world(world, 16, 4, TOKENS[world], seed=40 + world)
-    off = check(w, score_before=score_before, saved=True, tiles={option: False})
-    on = check(w, score_before=score_before, saved=True, tiles={option: True})
+    off = check(w, score_before=score_before, saved=True, overrides={option: False})
+    on = check(w, score_before=score_before, saved=True, overrides={option: True})
     for r in range(world):
         for name, a, b in zip(NAMES, off[r], on[r]):
             assert torch.equal(a, b), f"rank {r} {name}: {option} changed a value"
@@ -212,13 +206,11 @@ def test_gpu_backward_options_change_no_bits(world, score_before, option):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_local_first_changes_no_bits(world):
-    """``KernelConfig.local_first`` (megakernels A and BA: rows that stay on a
-    rank dispatched first by every program, tiles holding only those first,
-    16 programs sending the rest while the others compute): forward output and
-    every gradient equal the default schedule's bit for bit, both schedules,
-    with all simulated ranks' programs co-resident in one grid."""
-    from titan_uniep.kernels import default_config
-
+    """``LayerParams.local_first`` (dispatch_fc1 and dispatch_dh: rows that
+    stay on a rank dispatched first by every program, tiles holding only those
+    first, 16 programs sending the rest while the others compute): forward
+    output and every gradient equal the default schedule's bit for bit, both
+    schedules, with all simulated ranks' programs co-resident in one grid."""
     w = make_world(world, 16, 4, TOKENS[world], seed=50 + world)
     num_tokens = max(len(x) for x in w["xs"])
     fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16, top_k=4,
@@ -228,16 +220,16 @@ def test_gpu_local_first_changes_no_bits(world):
     h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
     outs, grads = {}, {}
     for flag in (False, True):
-        cfg = default_config(world).replace(num_comm_sms=16, local_first=flag)
+        cfg = default_params(world, hidden=HIDDEN).replace(dispatch_programs=16, local_first=flag)
         for schedule in ("sequential", "fused"):
             fwd.poison()
             outs[flag, schedule] = [o.clone() for o in simulated_moe_forward(
                 w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, workspace=fwd, config=cfg, saved_h13=h13)]
+                score_before_experts=False, workspace=fwd, params=cfg, saved_h13=h13)]
             bws.poison()
             grads[flag, schedule] = [[g.clone() for g in rank] for rank in simulated_moe_backward(
                 w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, workspace=bws, poison_outputs=True, saved_h13=h13, config=cfg)]
+                score_before_experts=False, workspace=bws, poison_outputs=True, saved_h13=h13, params=cfg)]
     for r in range(world):
         for key in outs:
             assert torch.equal(outs[key][r], outs[False, "sequential"][r]), f"forward rank {r} {key}"

@@ -7,10 +7,9 @@ Run on the GPU machine: ``python -m pytest tests/gpu/test_gpu_simulated.py``.
 import pytest
 import torch
 
-from titan_uniep.fused import simulated_moe_forward
-from titan_uniep.kernels import KernelConfig
-from titan_uniep.reference_math import float64_moe_reference, layout_reference_forward
-from titan_uniep.symm import Workspace
+from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
+from titan_uniep.params import LayerParams
+from titan_uniep.runtime import Workspace, simulated_moe_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -41,17 +40,30 @@ def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, for
     return dict(xs=xs, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3, w1s=local(w1), w2s=local(w2), w3s=local(w3))
 
 
-def check_world(w, *, score_before, config=None, workspace=None):
+def check_world(w, *, score_before, params=None, workspace=None):
+    """Sequential and fused into NaN-poisoned stacked outputs (written in place
+    by the kernels, one row more than the longest rank): bitwise equal, every
+    row of a rank written, rows past it untouched, close to float64 and to the
+    layout reference."""
+    num_tokens = [x.shape[0] for x in w["xs"]]
     outs = {}
     for schedule in ("sequential", "fused"):
         if workspace is not None:
             workspace.poison()
-        poisoned = [torch.full_like(x, float("nan")) for x in w["xs"]]
+        poisoned = torch.full((len(num_tokens), max(num_tokens) + 1, DIM), float("nan"), dtype=w["xs"][0].dtype,
+                              device="cuda")
         outs[schedule] = simulated_moe_forward(
             w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, config=config, workspace=workspace, outs=poisoned,
+            score_before_experts=score_before, params=params, workspace=workspace, out=poisoned,
         )
-    layout_ref = layout_reference_forward(
+        for r, t in enumerate(num_tokens):
+            view = outs[schedule][r]
+            assert (view.untyped_storage().data_ptr() == poisoned.untyped_storage().data_ptr()
+                    and view.storage_offset() == poisoned[r].storage_offset() and view.shape == (t, DIM)), \
+                f"{schedule} rank {r}: the output is not the view out[r, :T_r]"
+            assert not torch.isnan(poisoned[r, :t]).any(), f"{schedule} rank {r}: a row of out was never written"
+            assert torch.isnan(poisoned[r, t:]).all(), f"{schedule} rank {r}: a row past T_r was written"
+    layout_ref = layout_oracle_forward(
         w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], score_before_experts=score_before
     )
     for r, (seq, fus) in enumerate(zip(outs["sequential"], outs["fused"])):
@@ -59,7 +71,7 @@ def check_world(w, *, score_before, config=None, workspace=None):
         assert not torch.isnan(fus).any(), f"rank {r}: NaN in output"
         if fus.shape[0] == 0:
             continue
-        exact = float64_moe_reference(w["xs"][r], w["scores"][r], w["indices"][r], w["w1"], w["w2"], w["w3"],
+        exact = float64_moe_oracle(w["xs"][r], w["scores"][r], w["indices"][r], w["w1"], w["w2"], w["w3"],
                                       score_before_experts=score_before)
         scale = exact.abs().max().item()
         torch.testing.assert_close(fus.double(), exact, rtol=3e-2, atol=3e-2 * scale)
@@ -75,16 +87,16 @@ def check_world(w, *, score_before, config=None, workspace=None):
 ])
 def test_simulated_world_bf16(world, num_experts, top_k, num_tokens, score_before, combine):
     w = make_world(world, num_experts, top_k, num_tokens, seed=world + 10 * score_before)
-    config = KernelConfig(combine=combine)
+    params = LayerParams(combine=combine)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
-                             top_k=top_k, dtype=torch.bfloat16, device="cuda", config=config)
+                             top_k=top_k, dtype=torch.bfloat16, device="cuda", params=params)
     for _ in range(2):  # the second call reuses the workspace (epochs, zeroed counters)
-        check_world(w, score_before=score_before, workspace=ws, config=config)
+        check_world(w, score_before=score_before, workspace=ws, params=params)
 
 
 @pytest.mark.parametrize("case", ["skewed", "rank_receives_nothing", "one_local_expert", "small_tiles"])
 def test_simulated_world_bf16_edge_routing(case):
-    config = None
+    params = None
     if case == "skewed":
         w = make_world(2, 16, 4, [600, 400], seed=3, force=7)
     elif case == "rank_receives_nothing":
@@ -93,6 +105,6 @@ def test_simulated_world_bf16_edge_routing(case):
         w = make_world(2, 2, 2, [333, 100], seed=5)
     else:  # BM=64, odd comm blocks, few programs: another point of the schedule space, same results
         w = make_world(2, 16, 4, [500, 301], seed=6)
-        config = KernelConfig(num_comm_sms=3, num_combine_sms=5, num_programs=20, block_m=64, block_n_fc1=64,
-                              block_n_fc2=128, comm_block_tokens=8, reduce_block_tokens=8)
-    check_world(w, score_before=case == "one_local_expert", config=config)
+        params = LayerParams(dispatch_programs=3, combine_send_programs=5, num_programs=20, block_m=64,
+                             fc1_block_n=64, fc2_block_n=128, dispatch_block_tokens=8, reduce_block_tokens=8)
+    check_world(w, score_before=case == "one_local_expert", params=params)

@@ -4,11 +4,11 @@ workspaces (``workspace``), the launches shared by both directions
 
 from .backward import moe_backward, simulated_moe_backward
 from .forward import exchange_bytes, moe_forward, simulated_moe_forward
-from .launch import SCHEDULES
+from .launch import KERNEL_SCHEDULES
 from .workspace import BackwardWorkspace, Workspace, WorkspaceShape, memory_bytes
 
 __all__ = [
-    "SCHEDULES",
+    "KERNEL_SCHEDULES",
     "BackwardWorkspace",
     "Workspace",
     "WorkspaceShape",

@@ -23,7 +23,7 @@ from ..kernels.route import exchange_counts_kernel, route_block, route_histogram
 from ..params import LayerParams
 from .workspace import Workspace
 
-SCHEDULES = ("sequential", "fused")
+KERNEL_SCHEDULES = ("sequential", "fused")
 """Kernel schedules: ``"sequential"`` launches every task kind on its own
 (all communication, then all compute); ``"fused"`` overlaps them inside
 persistent grids. Both give the same bits."""
@@ -47,8 +47,8 @@ class CallArrays:
 
 
 def check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in KERNEL_SCHEDULES:
+        raise ValueError(f"schedule must be one of {KERNEL_SCHEDULES}, got {schedule!r}")
 
 
 def error_check_for(schedule: str, error_check: str | None) -> str:
@@ -232,7 +232,13 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
 
 def route_world(ws: Workspace, indices: Sequence[torch.Tensor], params: LayerParams) -> None:
     """``route`` for a simulated world: every rank's token count and routing."""
-    ws.num_tokens.copy_(torch.tensor([idx.shape[0] for idx in indices], dtype=torch.int32))
+    counts = torch.tensor([idx.shape[0] for idx in indices], dtype=torch.int32)
+    if ws.device.type == "cuda":
+        # Pinned and asynchronous: a pageable copy would make the host wait for
+        # the GPU every call (the caching host allocator keeps the block until
+        # the copy has run).
+        counts = counts.pin_memory()
+    ws.num_tokens.copy_(counts, non_blocking=True)
     route(ws, stack_ranks(list(indices), ws.shape.token_capacity, torch.int64, -1), None, params)
 
 

@@ -30,26 +30,26 @@ class _Entry:
     needs_cuda: bool
 
 
-_SCHEDULES: dict[str, _Entry] = {"reference": _Entry(reference_schedule, needs_cuda=False)}
+_REGISTRY: dict[str, _Entry] = {"reference": _Entry(reference_schedule, needs_cuda=False)}
 # Schedules whose module registers them when imported: name -> (module, needs CUDA).
 _ON_IMPORT = {"sequential": ("titan_uniep.schedules.kernel", True), "fused": ("titan_uniep.schedules.kernel", True)}
 
 
 def register_schedule(name: str, fn: ScheduleFn, *, needs_cuda: bool) -> None:
     """Make ``[uniep] schedule = name`` run ``fn``."""
-    _SCHEDULES[name] = _Entry(fn, needs_cuda)
+    _REGISTRY[name] = _Entry(fn, needs_cuda)
 
 
 def available_schedules() -> dict[str, bool]:
     """Schedule names -> whether each needs CUDA (imports nothing)."""
     names = {name: cuda for name, (_module, cuda) in _ON_IMPORT.items()}
-    names.update({name: entry.needs_cuda for name, entry in _SCHEDULES.items()})
+    names.update({name: entry.needs_cuda for name, entry in _REGISTRY.items()})
     return names
 
 
 def get_schedule(name: str) -> ScheduleFn:
-    if name not in _SCHEDULES and name in _ON_IMPORT:
+    if name not in _REGISTRY and name in _ON_IMPORT:
         importlib.import_module(_ON_IMPORT[name][0])
-    if name not in _SCHEDULES:
+    if name not in _REGISTRY:
         raise ValueError(f"[uniep] schedule = {name!r} is not available; available: {sorted(available_schedules())}")
-    return _SCHEDULES[name].fn
+    return _REGISTRY[name].fn
