@@ -8,7 +8,7 @@ arena. Writes, in every source rank's arena, ``returned`` ``(T_cap * K, D)``
 
 Tasks, claimed from atomic counters by a persistent grid:
 
-1. fc2 task (tile of one local expert x ``block_n_fc2`` columns of y):
+1. fc2 task (tile of one local expert x ``fc2_block_n`` columns of y):
    ``y = h @ w2^T`` rounded to the activation dtype (as TorchTitan's grouped
    GEMM output). Combine ``"direct"``: each row is stored straight into its
    source rank's ``returned[t * K + k]``, then one release arrival per row on
@@ -23,7 +23,7 @@ Tasks, claimed from atomic counters by a persistent grid:
    per row. Run by the last ``num_combine_sms`` programs from the start and
    by every other program once the fc2 tasks are gone.
 2. Reduce task (``reduce_block_tokens`` tokens of this rank): wait (acquire,
-   bounded) until each token has all ``K * cdiv(D, block_n_fc2)`` arrivals,
+   bounded) until each token has all ``K * cdiv(D, fc2_block_n)`` arrivals,
    then ``out[t] = sum_k w_k * y[t, k]`` in fp32 in the fixed order
    k = 0..K-1, with ``w_k`` the router score (scores after the experts) or 1
    (scores before), stored in the activation dtype.

@@ -286,7 +286,7 @@ class Workspace:
             self.arena_ptrs = torch.tensor(
                 [self.arena[r].data_ptr() for r in range(shape.world_size)], dtype=torch.int64, device=dev
             )
-        # Kernels address every arena as typed pointer anchor + delta (see kernels.sync.arena_ptr):
+        # Kernels address every arena as typed pointer anchor + delta (see kernels.scoreboard.arena_ptr):
         # the anchor is this rank's arena (real EP) or rank 0's (simulated world).
         self.anchor_rank = self.rank_base
         anchor = self.arena if self.group is not None else self.arena[0]
