@@ -5,6 +5,7 @@
 #       --training.steps 10 --debug.seed 7 --job.dump_folder out/x
 #
 # NGPU: processes (one per GPU; without a GPU, CPU processes over gloo). Default 2.
+# CONFIG_FILE: the TOML train config. Works from any working directory.
 # LOG_RANK: local ranks whose output is shown (torchrun --local-ranks-filter). Default 0.
 # Extra arguments override the TOML (``--section.key value``).
 set -euo pipefail
@@ -13,6 +14,19 @@ NGPU=${NGPU:-2}
 LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/deepseek_v3_debug_baseline.toml}
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# Fail at once, not after torchrun and TorchTitan have started. A relative
+# CONFIG_FILE is taken from the working directory, else from this checkout
+# (so CONFIG_FILE=train_configs/x.toml works from anywhere); the relative
+# paths inside the configs resolve the same way (titan_uniep.preflight).
+if [[ ! -f "${CONFIG_FILE}" && "${CONFIG_FILE}" != /* && -f "${REPO_ROOT}/${CONFIG_FILE}" ]]; then
+    CONFIG_FILE="${REPO_ROOT}/${CONFIG_FILE}"
+fi
+if [[ ! -f "${CONFIG_FILE}" ]]; then
+    echo "run_train.sh: CONFIG_FILE=${CONFIG_FILE} is not a file (looked in $(pwd) and ${REPO_ROOT});" \
+        "pass a train config, e.g. CONFIG_FILE=train_configs/deepseek_v3_debug_uniep.toml" >&2
+    exit 2
+fi
 
 # Import titan_uniep from this checkout from any working directory, installed or not.
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"

@@ -3,6 +3,9 @@
 ``./run_train.sh`` runs ``torchrun ... -m titan_uniep.train --job.config_file X``.
 Training itself is ``torchtitan.train.main`` unchanged; this adds:
 
+- ``titan_uniep.preflight`` before anything is built (a missing or broken
+  config file, NGPU that does not fit the parallel degrees, ``[uniep]``
+  errors), and relative bundled paths that work from any directory;
 - the CPU shims (``titan_uniep.cpu``) when CUDA is unavailable;
 - offline mode for the Hugging Face libraries (the data is bundled);
 - ``<job.dump_folder>/loss.jsonl``, written by rank 0: one line per logged step,
@@ -29,6 +32,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
 from titan_uniep.cpu import apply_cpu_shims, fp32_compute_args
+from titan_uniep.preflight import preflight
 
 LOSS_FILE = "loss.jsonl"
 
@@ -91,6 +95,11 @@ def main() -> None:
     # instead of waiting on a network that training machines do not have.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:  # before TorchTitan builds anything: config file, NGPU vs the degrees, [uniep]
+        paths = preflight(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    ConfigManager.parse_args.__defaults__[0].extend(paths)  # the same paths resolved (see below), so last
     if apply_cpu_shims():
         overrides = fp32_compute_args()
         if overrides:
