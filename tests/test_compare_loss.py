@@ -124,3 +124,28 @@ def test_plot_goes_next_to_run_b_by_default(tmp_path):
     log = write_log(tmp_path / "b.log", LOSSES)
     assert run_main(a, log) == 0
     assert (tmp_path / "b_loss_compare.png").is_file()
+
+
+@pytest.mark.parametrize("where", ["both", "a", "b"])
+def test_a_nan_loss_is_a_difference_never_equal(tmp_path, capsys, where):
+    nan = float("nan")
+    a_losses, b_losses = list(LOSSES), list(LOSSES)
+    if where in ("both", "a"):
+        a_losses[1] = nan
+    if where in ("both", "b"):
+        b_losses[1] = nan
+    a, b = write_dump(tmp_path / "a", a_losses), write_dump(tmp_path / "b", b_losses)
+    result = compare(load_run(a), load_run(b))
+    assert not result.bitwise and result.nan_steps == [2]
+    # Within no tolerance, however wide.
+    assert run_main(a, b, "--assert-bitwise", "--rtol", "1e9", "--atol", "1e9", "--plot", tmp_path / "p.png") == 1
+    out = capsys.readouterr().out
+    assert "NOT bitwise equal" in out and "NaN loss at steps [2]" in out and "EXCEEDED" in out, out
+
+
+def test_runs_of_different_lengths_get_no_verdict(tmp_path, capsys):
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", LOSSES[:2])
+    assert run_main(a, b, "--assert-bitwise", "--rtol", "1", "--plot", tmp_path / "p.png") == 2
+    captured = capsys.readouterr()
+    assert "no verdict" in captured.err and "--max-step" in captured.err, captured.err
+    assert "verdict:" not in captured.out and "within" not in captured.out, captured.out

@@ -15,6 +15,10 @@ asked, 1 when they differ beyond ``--assert-bitwise`` / ``--rtol`` /
 ``--atol``, 2 when they cannot be compared (no losses, different steps, or
 ``--assert-bitwise`` on a log). ``--max-step N`` compares steps 1..N only
 (e.g. a short run against the start of a longer one).
+
+A NaN loss is a difference: it equals nothing, not even a NaN at the same
+step of the other run, so two diverged runs are never "bitwise equal" or
+within a tolerance. Runs with different steps get no verdict at all.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ class Comparison:
     only_a: list[int]
     only_b: list[int]
     max_abs: float
+    """NaN when a common step has a NaN loss in either run."""
     max_rel: float
+    nan_steps: list[int]
+    """Common steps where either run's loss is NaN (never equal)."""
     bitwise: bool
     """Every common step has the same float (the 5-decimal text when either run is a log)."""
     exact: bool
@@ -79,13 +86,25 @@ def load_run(path: str | Path) -> Run:
 
 
 def _same(a: float, b: float) -> bool:
-    return a == b or (math.isnan(a) and math.isnan(b))
+    # A NaN loss means the run diverged; two diverged runs do not agree.
+    return a == b
+
+
+def _abs(a: float, b: float) -> float:
+    return 0.0 if _same(a, b) else abs(b - a)  # NaN if either is NaN
 
 
 def _rel(a: float, b: float) -> float:
     if _same(a, b):
         return 0.0
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
     return abs(b - a) / abs(a) if a != 0 else math.inf
+
+
+def _max(values) -> float:
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
 
 def compare(a: Run, b: Run) -> Comparison:
@@ -98,15 +117,16 @@ def compare(a: Run, b: Run) -> Comparison:
         steps=steps,
         only_a=sorted(a.losses.keys() - b.losses.keys()),
         only_b=sorted(b.losses.keys() - a.losses.keys()),
-        max_abs=max((0.0 if _same(x, y) else abs(y - x) for x, y in pairs), default=0.0),
-        max_rel=max((_rel(x, y) for x, y in pairs), default=0.0),
+        max_abs=_max(_abs(x, y) for x, y in pairs),
+        max_rel=_max(_rel(x, y) for x, y in pairs),
+        nan_steps=[s for s, (x, y) in zip(steps, pairs) if math.isnan(x) or math.isnan(y)],
         bitwise=all(_same(x, y) for x, y in pairs),
         exact=exact,
     )
 
 
 def within(a: Run, b: Run, steps: list[int], rtol: float, atol: float) -> bool:
-    """``|b - a| <= atol + rtol * |a|`` on every step (NaN only matches NaN)."""
+    """``|b - a| <= atol + rtol * |a|`` on every step (a NaN is never within)."""
     return all(
         _same(a.losses[s], b.losses[s]) or abs(b.losses[s] - a.losses[s]) <= atol + rtol * abs(a.losses[s])
         for s in steps
@@ -118,7 +138,7 @@ def format_table(a: Run, b: Run, steps: list[int], labels: tuple[str, str]) -> s
     rows = [f"{'step':>6}  {labels[0]:>14}  {labels[1]:>14}  {'abs diff':>10}  {'rel diff':>10}"]
     for s in steps:
         x, y = a.losses[s], b.losses[s]
-        diff = 0.0 if _same(x, y) else abs(y - x)
+        diff = _abs(x, y)
         rows.append(f"{s:>6}  {x:>14{digits}}  {y:>14{digits}}  {diff:>10.3e}  {_rel(x, y):>10.3e}")
     return "\n".join(rows)
 
@@ -181,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if result.steps:
         print(format_table(a, b, result.steps, labels))
         print(f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e} over {len(result.steps)} steps")
+        if result.nan_steps:
+            print(f"NaN loss at steps {result.nan_steps}: a NaN equals nothing, not even another NaN")
         out = args.plot or _default_plot_path(args.run_b)
         plot(a, b, result.steps, labels, out)
         print(f"plot: {out}")
@@ -190,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no common steps ({a.source}: {len(a.losses)} losses, {b.source}: {len(b.losses)})", file=sys.stderr)
         return 2
     if result.only_a or result.only_b:
-        print(f"error: different steps: only in {labels[0]}: {result.only_a}, only in {labels[1]}: {result.only_b}",
-              file=sys.stderr)
-        status = 2
+        print(f"error: different steps: only in {labels[0]}: {result.only_a}, only in {labels[1]}: {result.only_b}; "
+              "no verdict (--max-step N compares steps 1..N of both)", file=sys.stderr)
+        return 2
 
     if result.exact:
         print("verdict: bitwise equal" if result.bitwise else "verdict: NOT bitwise equal")
