@@ -152,3 +152,40 @@ def test_uniep_train_specs_are_registered():
 def test_defaults_are_off():
     cfg = UniEP()
     assert (cfg.enable, cfg.schedule, cfg.guard) == (False, "reference", "off")
+
+
+def _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus):
+    """A fused-schedule job whose EP group's GPUs are ``gpus`` (the probe needs CUDA; here it is replaced)."""
+    from titan_uniep import parallelize
+
+    job = _job(tmp_path, extra='schedule = "fused"\n')
+    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past validate's no-CUDA check
+    monkeypatch.setattr(parallelize, "_probe_ep_gpus", lambda parallel_dims: gpus)
+    return lambda: spec.parallelize_fn(model, _dims(world=len(gpus)), job)
+
+
+def test_fused_ep_group_spanning_hosts_is_refused(tmp_path, monkeypatch):
+    from titan_uniep.parallelize import EPGPU
+
+    gpus = [EPGPU(0, "node-a", ()), EPGPU(1, "node-b", ())]
+    run = _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus)
+    with pytest.raises(ValueError, match=r"schedule = 'fused' needs the whole EP group on one host.*spans 2 hosts "
+                                         r"\(node-a: ranks \[0\]; node-b: ranks \[1\]\).*schedule = \"reference\""):
+        run()
+
+
+def test_fused_ep_group_without_peer_access_is_refused(tmp_path, monkeypatch):
+    from titan_uniep.parallelize import EPGPU
+
+    gpus = [EPGPU(0, "node-a", ()), EPGPU(1, "node-a", (0,))]  # rank 1's GPU cannot map rank 0's
+    run = _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus)
+    with pytest.raises(ValueError, match=r"needs peer access .* missing for rank 1 -> rank 0 on node-a.*"
+                                         r"schedule = \"reference\""):
+        run()
+
+
+def test_ep_group_on_one_host_with_peer_access_passes_the_check():
+    from titan_uniep.parallelize import EPGPU, check_ep_gpus
+
+    check_ep_gpus(UniEP(enable=True, schedule="fused"), [EPGPU(r, "node-a", ()) for r in range(4)])

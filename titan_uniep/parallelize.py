@@ -4,7 +4,8 @@
 ``[uniep] enable = true``:
 
 1. validates the job (EP > 1, no ETP/TP on MoE, a model with MoE layers, a
-   schedule this machine can run) with errors that name the key and the fix;
+   schedule this machine can run; for the kernel schedules, an EP group on
+   one host with peer access) with errors that name the key and the fix;
 2. swaps each ``MoE`` / ``GroupedExperts`` instance's class for UniEP's
    (parameters, buffers and FQNs stay the very same objects, so FSDP,
    activation checkpointing and checkpoints interchange with a baseline run);
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -34,7 +38,7 @@ from titan_uniep.schedules import available_schedules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UniEPExpertParallel", "moe_layers", "validate", "wrap_parallelize_fn"]
+__all__ = ["EPGPU", "UniEPExpertParallel", "check_ep_gpus", "moe_layers", "validate", "wrap_parallelize_fn"]
 
 
 class UniEPExpertParallel(ParallelStyle):
@@ -68,10 +72,13 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def validate(cfg: UniEP, model: nn.Module, parallel_dims, job_config) -> None:
-    """Raise ValueError naming the key and the fix if UniEP cannot serve this job."""
+def validate(cfg: UniEP, model: nn.Module | None, parallel_dims, job_config) -> None:
+    """Raise ValueError naming the key and the fix if UniEP cannot serve this job.
+
+    ``model=None`` runs the checks that need only the config (``titan_uniep.preflight``).
+    """
     model_name = job_config.model.name
-    if not moe_layers(model):
+    if model is not None and not moe_layers(model):
         raise ValueError(
             f"[uniep] enable = true, but model {model_name!r} flavor {job_config.model.flavor!r} has no MoE "
             "layers. Pick an MoE flavor (e.g. deepseek_v3 'debugmodel', qwen3 'debugmodel_moe', llama4 "
@@ -111,6 +118,71 @@ def validate(cfg: UniEP, model: nn.Module, parallel_dims, job_config) -> None:
         raise ValueError(
             f"[uniep] schedule = {cfg.schedule!r} needs CUDA GPUs with peer access, and this machine has none. "
             "Use schedule = \"reference\" on CPU."
+        )
+
+
+@dataclass(frozen=True)
+class EPGPU:
+    """Where one rank of the EP group runs, as every rank of the group sees it."""
+
+    rank: int
+    """Global rank."""
+    host: str
+    no_peer_access: tuple[int, ...]
+    """Global ranks on the same host whose GPU this rank's GPU cannot map (``can_device_access_peer``)."""
+
+
+def _probe_ep_gpus(parallel_dims) -> list[EPGPU]:
+    """Every EP rank's host and peer access, in EP-rank order (two small all-gathers over the EP group)."""
+    group = parallel_dims.get_mesh("ep").get_group()
+    world = dist.get_world_size(group)
+    device = torch.cuda.current_device()
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    mine = (dist.get_rank(), socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    places: list = [None] * world
+    dist.all_gather_object(places, mine, group=group)
+    # A peer GPU this process cannot see (per-rank CUDA_VISIBLE_DEVICES) cannot
+    # be probed here; symmetric memory may still reach it through CUDA IPC.
+    blocked = tuple(
+        rank for rank, host, uuid in places
+        if host == mine[1] and uuid != mine[2] and uuid in visible
+        and not torch.cuda.can_device_access_peer(device, visible[uuid])
+    )
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, blocked, group=group)
+    return [EPGPU(rank, host, no_access) for (rank, host, _uuid), no_access in zip(places, everyone)]
+
+
+def check_ep_gpus(cfg: UniEP, gpus: list[EPGPU]) -> None:
+    """Raise ValueError unless the kernel schedules can map every EP peer's memory.
+
+    ``sequential`` and ``fused`` store rows straight into the peers' symmetric
+    memory (NVLink), so the EP group must sit on one host with peer access
+    between every pair of its GPUs; otherwise the failure would come from
+    inside the symmetric-memory rendezvous or a kernel. Every rank decides on
+    the same gathered picture, so all raise together.
+    """
+    use_reference = (
+        'Use [uniep] schedule = "reference" (torch collectives over any interconnect) for this layout.'
+    )
+    hosts: dict[str, list[int]] = {}
+    for gpu in gpus:
+        hosts.setdefault(gpu.host, []).append(gpu.rank)
+    if len(hosts) > 1:
+        where = "; ".join(f"{host}: ranks {ranks}" for host, ranks in hosts.items())
+        raise ValueError(
+            f"[uniep] schedule = {cfg.schedule!r} needs the whole EP group on one host (its kernels write into "
+            f"the peers' GPU memory over NVLink), but this EP group spans {len(hosts)} hosts ({where}). "
+            f"{use_reference} Or set parallelism.expert_parallel_degree to at most the GPUs of one host: "
+            "TorchTitan puts consecutive ranks, which torchrun places on one host, in one EP group."
+        )
+    pairs = [(gpu.rank, peer) for gpu in gpus for peer in gpu.no_peer_access]
+    if pairs:
+        where = ", ".join(f"rank {a} -> rank {b}" for a, b in pairs)
+        raise ValueError(
+            f"[uniep] schedule = {cfg.schedule!r} needs peer access between every pair of GPUs in the EP group "
+            f"(torch.cuda.can_device_access_peer), but it is missing for {where} on {gpus[0].host}. "
+            f"{use_reference} (`nvidia-smi topo -p2p r` shows which GPUs can map each other.)"
         )
 
 
@@ -193,6 +265,8 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
         if cfg is None or not cfg.enable:
             return base_parallelize_fn(model, parallel_dims, job_config)
         validate(cfg, model, parallel_dims, job_config)
+        if cfg.schedule != "reference":
+            check_ep_gpus(cfg, _probe_ep_gpus(parallel_dims))
         swapped = _swap_to_uniep(model, cfg)
         sac_ops = _sac_save_list(base_parallelize_fn)
         if sac_ops is not None:
