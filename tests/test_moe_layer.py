@@ -172,3 +172,33 @@ def test_reference_layer_matches_torchtitan_expert_parallel(layer_results, dtype
     for rank, results in enumerate(layer_results):
         error = results[f"{dtype}-{score_before}-{routing}"]
         assert error is None, f"rank {rank}: {error}"
+
+
+def test_reference_schedule_warns_nothing_of_its_own(tmp_path):
+    """A training log carries no titan_uniep warning (torch 2.13 deprecates the
+    all_gather_tensor wrapper); one gloo rank in this process, forward and backward."""
+    import warnings
+
+    from titan_uniep.oracle import float64_moe_oracle
+    from titan_uniep.schedules import Routing, get_schedule
+
+    torch.manual_seed(5)
+    tokens, experts, top_k = 11, 4, 2
+    x = torch.randn(tokens, DIM, requires_grad=True)
+    scores, ids = torch.rand(tokens, experts).softmax(-1).topk(top_k, dim=-1)
+    w1, w3 = (torch.randn(experts, HIDDEN, DIM) / DIM**0.5 for _ in range(2))
+    w2 = torch.randn(experts, DIM, HIDDEN) / HIDDEN**0.5
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = get_schedule("reference")(x, Routing(scores, ids), w1, w2, w3, group=dist.group.WORLD,
+                                            score_before_experts=False)
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "titan_uniep" in w.filename]
+    assert not ours, ours
+    ref = float64_moe_oracle(x.detach(), scores, ids, w1, w2, w3, score_before_experts=False)
+    assert _rel_err(out.detach(), ref) < 1e-5
+    assert x.grad is not None and torch.isfinite(x.grad).all()

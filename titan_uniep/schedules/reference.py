@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_tensor, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from titan_uniep.layout import compute_layout, count_per_expert
 
@@ -58,8 +58,12 @@ def exchange_counts(selected_experts_indices: torch.Tensor, num_experts: int, gr
     """All-gather every rank's per-expert copy counts: ``(W, E) int64``."""
     counts = count_per_expert(selected_experts_indices, num_experts)
     world = dist.get_world_size(group)
-    gathered = torch.ops._c10d_functional.wait_tensor(all_gather_tensor(counts, 0, group))
-    return gathered.view(world, num_experts)
+    # The functional op itself (integer counts, no autograd), the same on every
+    # supported torch: torch 2.13 deprecates the all_gather_tensor wrapper
+    # (FutureWarning in every run's log). The selective-AC save list names
+    # this op (titan_uniep.parallelize).
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(counts, world, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(gathered).view(world, num_experts)
 
 
 def expert_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
