@@ -27,6 +27,7 @@ if [[ ! -f "${CONFIG_FILE}" ]]; then
         "pass a train config, e.g. CONFIG_FILE=train_configs/deepseek_v3_debug_uniep.toml" >&2
     exit 2
 fi
+python3 "${REPO_ROOT}/titan_uniep/preflight.py" "${CONFIG_FILE}" || exit 2  # TOML syntax, with line and column
 
 # Import titan_uniep from this checkout from any working directory, installed or not.
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"

@@ -122,11 +122,14 @@ def test_ngpu_mismatch_stops_train_main_before_torchtitan(monkeypatch):
 
 
 def _run_train(cwd: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    """run_train.sh with a stand-in python3 that records the launch instead of training."""
+    """run_train.sh with a stand-in python3 that records the launch instead of training
+    (its config-file check runs in the real Python)."""
     stub = tmp_path / "bin" / "python3"
     stub.parent.mkdir(exist_ok=True)
-    # "-c": run_train.sh's CUDA probe (answer: no GPU); anything else: the torchrun launch.
-    stub.write_text('#!/bin/sh\n[ "$1" = "-c" ] && exit 1\nprintf "%s\\n" "$@" > "$LAUNCH_ARGS"\n')
+    # "-c": run_train.sh's CUDA probe (answer: no GPU); preflight.py: its config check, for real;
+    # anything else: the torchrun launch.
+    stub.write_text(f'#!/bin/sh\ncase "$1" in -c) exit 1;; */preflight.py) exec {sys.executable} "$@";; esac\n'
+                    'printf "%s\\n" "$@" > "$LAUNCH_ARGS"\n')
     stub.chmod(0o755)
     environ = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")}
     environ.update(PATH=f"{stub.parent}{os.pathsep}{environ['PATH']}", LAUNCH_ARGS=str(tmp_path / "args"), **env)
@@ -138,6 +141,15 @@ def test_run_train_rejects_a_missing_config_file_at_once(tmp_path):
     proc = _run_train(tmp_path, tmp_path, CONFIG_FILE="train_configs/nope.toml")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "CONFIG_FILE=train_configs/nope.toml is not a file" in proc.stderr
+    assert not (tmp_path / "args").exists(), "torchrun was launched"
+
+
+def test_run_train_rejects_a_toml_syntax_error_at_once(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[job]\ndump_folder = out\n")
+    proc = _run_train(tmp_path, tmp_path, CONFIG_FILE=str(bad))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "bad.toml' is not valid TOML" in proc.stderr and "line 2, column 15" in proc.stderr, proc.stderr
     assert not (tmp_path / "args").exists(), "torchrun was launched"
 
 

@@ -15,6 +15,9 @@ instead of deep inside TorchTitan:
   ``titan_uniep.parallelize.validate`` that need only the config (the model's
   MoE layers and the EP group's GPUs are checked in the parallelize hook).
 
+``python3 titan_uniep/preflight.py FILE`` (run_train.sh) checks only the config file,
+in milliseconds: this module imports nothing but the standard library at the top.
+
 It returns the CLI overrides that make the job's relative paths work from any
 working directory: a relative ``model.hf_assets_path`` that does not exist
 under the working directory is taken relative to the folder that holds the
@@ -175,3 +178,15 @@ def preflight(argv: list[str], world_size: int) -> list[str]:
 
         validate(cfg, None, dims, job_config)
     return path_overrides(job_config)
+
+
+if __name__ == "__main__":
+    # run_train.sh checks CONFIG_FILE with ``python3 titan_uniep/preflight.py FILE`` before
+    # torchrun starts: as a script this module needs the standard library only (importing the
+    # package would load TorchTitan, seconds of start-up).
+    import sys
+
+    try:
+        load_config_file(sys.argv[1])
+    except ValueError as err:
+        sys.exit(f"run_train.sh: {err}")
