@@ -200,6 +200,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
     if tuned_fwd is not None or tuned_bwd is not None:
         fwd_point, bwd_point = (tuned_fwd, tuned_fwd_ws), (tuned_bwd, tuned_bwd_ws)
         paths["uniep_tuned"] = lambda: fwd_bwd("fused", fwd=fwd_point, bwd=bwd_point)
+    if tuned_bwd is not None:
         paths["uniep_tuned_bwd"] = lambda: lambda: bwd_call("fused", True, *bwd_point)
     for override in json.loads(args.sweep_params):
         point = bwd_ws.inner.params.replace(**override)

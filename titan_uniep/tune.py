@@ -42,6 +42,7 @@ import json
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -123,9 +124,9 @@ def routing_stats(indices: torch.Tensor, num_experts: int, group: dist.ProcessGr
     from .tuning.model import RoutingStats
 
     world = dist.get_world_size(group)
-    every = torch.empty(world, *indices.shape, dtype=indices.dtype, device=indices.device)
+    every = torch.empty(world * indices.shape[0], *indices.shape[1:], dtype=indices.dtype, device=indices.device)
     dist.all_gather_into_tensor(every, indices.contiguous(), group=group)
-    return RoutingStats.from_indices(list(every.cpu()), num_experts, world)
+    return RoutingStats.from_indices(list(every.view(world, *indices.shape).cpu()), num_experts, world)
 
 
 def hardware(options: SearchOptions, device: torch.device):
@@ -534,22 +535,25 @@ def main(argv=None) -> None:
     options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
                             rounds=args.rounds, min_gain=args.min_gain, schedule=args.schedule,
                             constants=args.constants, progress=not args.no_progress)
+    path = args.cache or default_cache_path()
     results = []
     for layer in layers:
+        start = time.monotonic()
         res = search_layer(group, layer, options)
+        seconds = time.monotonic() - start
         results.append(res)
         if rank == 0:
             print_result(res)
+            print(f"{layer.name}: searched in {seconds:.1f} seconds", flush=True)
+            if res.entry is not None:  # after every shape: a run cut short keeps what it measured
+                save(path, [res.entry])
+                print(f"wrote the entry of {layer.name} into {path}", flush=True)
             if args.json_out:
                 with open(args.json_out, "a") as f:
-                    f.write(json.dumps({"shape": layer.name, "dims": layer.dims, "world": world, "table": res.table,
-                                        "problems": res.problems, "violations": res.violations,
+                    f.write(json.dumps({"shape": layer.name, "dims": layer.dims, "world": world, "seconds": seconds,
+                                        "table": res.table, "problems": res.problems,
+                                        "violations": res.violations,
                                         "entry": res.entry and res.entry.to_json()}) + "\n")
-    entries = [res.entry for res in results if res.entry is not None]
-    if rank == 0 and entries:
-        path = args.cache or default_cache_path()
-        save(path, entries)
-        print(f"wrote {len(entries)} entries into {path}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     if any(res.violations for res in results):
