@@ -4,6 +4,8 @@ backward oracle it compares gradients with, and the --report files."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -25,8 +27,10 @@ def _layer(seed=0, tokens=37, dim=64, hidden=48, experts=6, top_k=2):
     return x, scores, indices, w1, w2, w3
 
 
+@functools.cache
 def _forward_outputs(score_before=False):
-    """A bf16 pipeline that rounds where the kernels round (the layout oracle), and float64."""
+    """A bf16 pipeline that rounds where the kernels round (the layout oracle),
+    and float64 (computed once per score mode: callers clone before changing)."""
     x, scores, indices, w1, w2, w3 = _layer()
     out = layout_oracle_forward([x], [scores], [indices], [w1], [w2], [w3], score_before_experts=score_before)[0]
     exact = float64_moe_oracle(x[:16], scores[:16], indices[:16], w1, w2, w3, score_before_experts=score_before)

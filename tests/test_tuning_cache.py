@@ -13,6 +13,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from titan_uniep.config import UniEP
 from titan_uniep.params import default_params
@@ -183,6 +184,26 @@ def test_ranks_that_chose_different_points_raise(monkeypatch):
                                            r"tuning_cache"):
         selection.check_agreement(group, tuned, "cpu", "tuning.json")
     assert selection.params_digest(tuned) != selection.params_digest(default_params(2, hidden=768)) != 0
+
+
+def test_workspace_build_gets_the_entry_of_its_layer_key(monkeypatch):
+    """What the op's workspace_for asks: the group's policy, at the layer's tokens (bucketed) and EP size."""
+    group = SimpleNamespace(group_name="ep-tuning-test")
+    entry = _entry(dataclasses.replace(KEY, kernel_version=cache.kernel_version()))
+    monkeypatch.setattr(selection.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(selection.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(selection.dist, "all_reduce", lambda tensor, op, group: None)
+    layer = dict(num_tokens=6000, dim=2048, hidden=768, num_experts=128, top_k=8, dtype=torch.bfloat16, device="cpu")
+    assert selection.select_params(group, **layer, backward=False) is None, "no policy: the default"
+    monkeypatch.setitem(selection._policies, group.group_name,
+                        selection.TuningPolicy(mode="cached", cache_path="t.json", entries=[entry]))
+    base = default_params(2, hidden=768)
+    assert selection.select_params(group, **layer, backward=False) == base.replace(**FORWARD)
+    assert selection.select_params(group, **layer, backward=True) == base.replace(**BACKWARD)
+    assert selection.select_params(group, **{**layer, "num_tokens": 9000}, backward=False) is None
+    monkeypatch.setitem(selection._policies, group.group_name,
+                        selection.TuningPolicy(mode="off", cache_path="", entries=[entry]))
+    assert selection.select_params(group, **layer, backward=False) is None
 
 
 HEADER = """

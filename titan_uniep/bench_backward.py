@@ -217,7 +217,8 @@ def bench_shape(name, shape, args, group, mesh, dev):
     if args.profile:
         profile_backward(bwd_call, rank, name)
     if args.check:
-        stats = check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev)
+        stats = check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev,
+                      tuned=None if tuned_bwd is None else (tuned_bwd, tuned_bwd_ws))
         result["saved_vs_recompute_max_rel_diff"] = stats.pop("saved_vs_recompute")
         result["check"] = stats
         result["check_failures"] = failures(stats, LIMITS["backward"]["bf16"])
@@ -236,17 +237,19 @@ def bench_shape(name, shape, args, group, mesh, dev):
     return result
 
 
-def check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev) -> dict[str, float]:
+def check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev, tuned=None) -> dict[str, float]:
     """The ``--check`` statistics of one shape (maxima over the ranks), in an
-    order that keeps at most two sets of gradients resident."""
+    order that keeps at most two sets of gradients resident. ``tuned``: the
+    tuned backward point and its workspace, whose gradients must be the
+    default's bits."""
     x, grad, scores, indices = (inputs[n] for n in ("x", "grad", "scores", "indices"))
     local = (inputs["w1l"], inputs["w2l"], inputs["w3l"])
     sb = args.score_before
     stats = {}
 
-    def backward(schedule, saved=True):
-        return moe_backward(grad, x, scores, indices, *local, workspace=bwd_ws, schedule=schedule,
-                            score_before_experts=sb, saved_h13=h13 if saved else None)
+    def backward(schedule, saved=True, params=None, workspace=bwd_ws):
+        return moe_backward(grad, x, scores, indices, *local, workspace=workspace, schedule=schedule,
+                            score_before_experts=sb, saved_h13=h13 if saved else None, params=params)
 
     def bitwise(name, a, b):
         stats[f"{name}_bitwise_diff"] = float(not all(torch.equal(u, v) for u, v in zip(a, b)))
@@ -260,6 +263,8 @@ def check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev) -> dict[str, floa
         stats[f"{grad_name}_vs_titan"] = rel_diff(ours.float(), theirs.float())
     del titan
     bitwise("grads_fused_vs_sequential", fused, backward("sequential"))
+    if tuned is not None:
+        bitwise("grads_tuned_vs_default", fused, backward("fused", True, *tuned))
     recomputed = backward("fused", saved=False)
     # Saved h1 | h3 against recomputed: the same math, up to the GEMMs' rounding (reported, not asserted).
     saved_vs_recompute = max(rel_diff(a.float(), b.float()) for a, b in zip(fused, recomputed))
