@@ -22,7 +22,8 @@ Workspaces: one forward and one backward workspace per (EP group, layer
 shape, dtype, device), built on first use (a collective: every EP rank
 reaches its first MoE layer together) and reused by every layer and step,
 sized for the largest token count known then (``reserve_tokens``, set by the
-parallelize hook from the job's batch and sequence length).
+parallelize hook from the job's batch and sequence length), with the
+``LayerParams`` point ``[uniep] tuning`` selects (``tuning.selection``).
 """
 
 from __future__ import annotations
