@@ -4,7 +4,7 @@
 #
 #   calibrate  the tuning model's hardware constants (titan_uniep.tuning.calibrate)
 #   tune       python -m titan_uniep.tune on the five tuning shapes at EP 1
-#              (titan_uniep.shapes.TUNING_SHAPES), into a fresh cache file
+#              (titan_uniep.shapes.TUNING_SHAPES), into $WORK/tuning.json
 #   report     bench --check --report and bench_backward --check --report on
 #              the same shapes: TorchTitan, UniEP default and tuned, GEMM-only,
 #              the model's prediction and its per-stage breakdown
@@ -12,9 +12,14 @@
 #   bash scripts/tune_h200.sh
 #   STEPS="tune report" SHAPES=qwen3_1gpu,odd_dim TOP=6 bash scripts/tune_h200.sh
 #
-# Every step runs under a timeout taken from what is left of TOTAL_S (default
-# 540 s), so the results come back even when a step runs long. Results in
-# $OUT (default /tmp/uniep-tune), at most 8 files: summary.txt, tuning.json,
+# Every step runs under a timeout (CALIBRATE_S 170, TUNE_S 250, REPORT_S 100 per
+# bench), cut to what is left of TOTAL_S (default 540 s), so the results come
+# back even when a step runs long; the tuner writes its cache after every
+# shape, so a cut tuning run still reports the shapes it finished. To split
+# the work over two calls on a warm machine, give both the same WORK folder:
+#   WORK=/tmp/uniep-tune-work STEPS="calibrate tune" TOP=6 bash scripts/tune_h200.sh
+#   WORK=/tmp/uniep-tune-work STEPS=report bash scripts/tune_h200.sh
+# Results in $OUT (default /tmp/uniep-tune), at most 8 files: summary.txt, tuning.json,
 # constants.json, forward.md, backward.md, tune.log, and results.tar.gz with
 # everything (logs, JSON lines, the PNG plots).
 # TorchTitan and its pure-Python dependencies: installed already, or as
@@ -27,7 +32,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 START=$SECONDS
 TOTAL_S=${TOTAL_S:-540}
 OUT=${OUT:-/tmp/uniep-tune}
-WORK=$(mktemp -d /tmp/uniep-tune-work.XXXXXX)
+WORK=${WORK:-$(mktemp -d /tmp/uniep-tune-work.XXXXXX)}
 WHEELS=${WHEELS:-.gpu-wheels}
 STEPS=${STEPS:-calibrate tune report}
 SHAPES=${SHAPES:-qwen3_1gpu,deepseek_1gpu,mixtral_1gpu,small_experts,odd_dim}
@@ -59,7 +64,7 @@ for step in $STEPS; do
     case $step in
     calibrate)
         if python3 -c 'import titan_uniep.tuning.calibrate' 2>/dev/null; then
-            timeout "$(budget "${CALIBRATE_S:-120}")" python3 -m titan_uniep.tuning.calibrate --out "$WORK/constants.json" \
+            timeout "$(budget "${CALIBRATE_S:-170}")" python3 -m titan_uniep.tuning.calibrate --out "$WORK/constants.json" \
                 > "$WORK/calibrate.log" 2>&1 || status=1
         else
             echo "titan_uniep.tuning.calibrate is not in this tree" > "$WORK/calibrate.log"
@@ -69,14 +74,14 @@ for step in $STEPS; do
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
         shape_args=()
         for s in ${SHAPES//,/ }; do shape_args+=(--shape "$s"); done
-        timeout "$(budget "${TUNE_S:-330}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-4}" \
+        timeout "$(budget "${TUNE_S:-250}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-3}" \
             --warmup "${WARMUP:-2}" --reps "${REPS:-5}" --rounds "${ROUNDS:-2}" ${CONSTANTS[@]+"${CONSTANTS[@]}"} \
             --cache "$WORK/tuning.json" --json-out "$WORK/tune.jsonl" > "$WORK/tune.log" 2>&1 || status=1
         grep -E "^==|^\||picked|entry:|BROKEN|Error|wrote|seconds" "$WORK/tune.log" | cut -c1-220 | tail -60 ;;
     report)
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
         for bench in bench bench_backward; do
-            timeout "$(budget "${REPORT_S:-150}")" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+            timeout "$(budget "${REPORT_S:-100}")" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
                 -m "titan_uniep.$bench" --shapes "$SHAPES" --check --report "$WORK/report" \
                 --tuned-cache "$WORK/tuning.json" ${CONSTANTS[@]+"${CONSTANTS[@]}"} --warmup "${WARMUP:-2}" --reps "${REPS:-5}" \
                 --json-out "$WORK/$bench.jsonl" > "$WORK/$bench.log" 2>&1 || status=1
