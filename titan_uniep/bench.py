@@ -1,15 +1,22 @@
 """Forward benchmark of one MoE layer's routed-expert path on an EP group.
 
     torchrun --nproc_per_node 2 -m titan_uniep.bench --shapes qwen3,deepseek,mixtral --routing balanced --check
+    torchrun --nproc_per_node 1 -m titan_uniep.bench --shapes qwen3_1gpu,odd_dim --report out/report
 
 For each shape (``T`` tokens per rank, dim ``D``, expert hidden ``H``, ``E``
-experts, top-``K``), on the same inputs and routing:
+experts, top-``K``; names in ``titan_uniep.shapes`` or ``T,D,H,E,K``), on the
+same inputs and routing:
 
 - ``titan_ep``: TorchTitan 0.2.2 standard EP -- ``MoE.forward`` after the
   router (TokenReorderer, gather, experts, unsort, combine) with
   ``ExpertParallel`` applied to a ``GroupedExperts`` on the EP mesh;
 - ``uniep_sequential`` / ``uniep_fused``: ``titan_uniep.runtime.moe_forward``
-  (counts exchange + layout + both megakernels);
+  (counts exchange + layout + both megakernels) at the default point, as
+  the custom op runs it in training: h1 | h3 saved for the backward, the
+  schedule's default error check;
+- ``uniep_tuned``: the fused schedule at the tuned point of the tuning cache
+  (``--tuned-cache``, default the cache's default path), if it has an entry
+  for the shape here (the record says why not otherwise);
 - ``gemm_only``: ``torch._grouped_mm`` fc1 (w1, w3), SwiGLU and fc2 on the rows
   this rank receives (groups padded to 8 rows, as TorchTitan does);
 - ``transfer_only``: a bare peer copy (symmetric memory, ``copy_``) of the
@@ -17,9 +24,14 @@ experts, top-``K``), on the same inputs and routing:
 - ``bound = max(gemm_only, transfer_only)``, and ratios.
 
 Times: CUDA events around each call, warm-up first, median over ``--reps``,
-slowest rank. One JSON line per shape (prefixed ``JSON``), then a table.
-``--check`` compares UniEP (and TorchTitan) with a float64 reference on the
-first ``--check-tokens`` tokens of every rank, and fused with sequential bitwise.
+slowest rank, in ``--rounds`` rounds of alternating path order
+(``timing.time_alternating``: no path is always measured right after
+itself). One JSON line per shape (prefixed ``JSON``), then a table.
+``--check`` asserts fused == sequential (and tuned == default) bitwise,
+UniEP against TorchTitan, and both against a float64 reference on the
+first ``--check-tokens`` tokens of every rank (limits: ``titan_uniep.accuracy``);
+it exits 1 beyond them. ``--report DIR`` writes ``forward.md`` and a PNG per
+shape there (``titan_uniep.report``), with the tuning model's prediction.
 ``--profile`` prints rank 0's CUDA kernel times of both schedules (first
 shape); ``--sweep-params`` times the fused schedule at other parameter points;
 ``--graph`` also times both schedules replayed from a CUDA graph (no Python
@@ -39,17 +51,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .params import apply_overrides, default_params
-from .runtime import Workspace, exchange_bytes, moe_forward
-from .timing import time_ms
+from .accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
 from .layout import compute_layout, count_per_expert, token_destinations
 from .oracle import float64_moe_oracle
+from .params import apply_overrides, default_params
+from .runtime import Workspace, exchange_bytes, moe_forward
+from .shapes import SHAPES, parse_shape
+from .timing import time_alternating, time_ms
 
-SHAPES = {  # T per rank, D, H, E, K
-    "qwen3": (8192, 2048, 768, 128, 8),
-    "deepseek": (4096, 7168, 2048, 256, 8),
-    "mixtral": (8192, 4096, 14336, 8, 2),
-}
+__all__ = ["SHAPES", "bench_shape", "check", "main"]
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -167,60 +178,92 @@ def bench_shape(name, shape, args, group, mesh, dev):
     # The shipped per-shape default, as the custom op runs it, with the --set overrides.
     params = apply_overrides(default_params(world, hidden=hidden), args.set)
     sweep = [params.replace(**change) for change in json.loads(args.sweep_params)]
+    tuned, tuned_reason = None, "no tuning cache given"
+    if args.tuned_cache:
+        from .bench_backward import tuned_points
+
+        tuned, tuned_reason = tuned_points(args.tuned_cache, shape, world, dtype, dev)["forward"]
     # A workspace built for the presum combine serves every combine mode.
     needs_y = any(point.combine != "direct" for point in (params, *sweep))
-    ws = Workspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts,
-                             top_k=top_k, dtype=dtype, device=dev,
-                             params=params.replace(combine="presum") if needs_y else params)
+    sizes = dict(num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, dtype=dtype,
+                 device=dev)
+    ws = Workspace.for_group(group, **sizes, params=params.replace(combine="presum") if needs_y else params)
+    tuned_ws = None if tuned is None else Workspace.for_group(group, **sizes, params=tuned)
     sb = args.score_before
+    slots = ws.shape.slot_capacity
 
-    def uniep(schedule):
-        return lambda: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule=schedule,
-                                   score_before_experts=sb, params=params, error_check="lazy")
+    def uniep(schedule, point=params, workspace=ws):
+        # As the custom op runs it: h1 | h3 saved into a buffer of its own, the schedule's default error check.
+        return lambda: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=workspace, schedule=schedule,
+                                   score_before_experts=sb, params=point,
+                                   saved_h13=x.new_empty(slots, 2 * hidden))
 
-    titan = titan_ep_path(dim, hidden, num_experts, top_k, w1, w2, w3, mesh, sb)
-    gemm = gemm_only_path(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, dev)
+    def titan():
+        path = titan_ep_path(dim, hidden, num_experts, top_k, w1, w2, w3, mesh, sb)
+        return lambda: path(x, scores, indices)
+
     transfer, keep_alive = transfer_only_path(bytes_to_peer, group, dev)
-
     record = dict(
         date=str(date.today()), shape=name, tokens=num_tokens, dim=dim, hidden=hidden, experts=num_experts,
         top_k=top_k, routing=args.routing, dtype=args.dtype, world=world, score_before_experts=sb,
-        received_rows_rank=received_rows, **{f"{k}_bytes_rank{rank}": v for k, v in sent.items()},
+        gpu=torch.cuda.get_device_name(dev), received_rows_rank=received_rows,
+        **{f"{k}_bytes_rank{rank}": v for k, v in sent.items()},
         workspace_bytes=ws.memory_bytes()["total"],
+        tuned={"forward": {"applied": tuned is not None, "reason": tuned_reason}},
     )
+    paths = {
+        "uniep_fused_ms": lambda: uniep("fused"),
+        "uniep_sequential_ms": lambda: uniep("sequential"),
+        "titan_ep_ms": titan,
+        "gemm_only_ms": lambda: gemm_only_path(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, dev),
+        "transfer_only_ms": lambda: transfer,
+    }
+    if tuned is not None:
+        paths["uniep_tuned_ms"] = lambda: uniep("fused", tuned, tuned_ws)
+    for change, point in zip(json.loads(args.sweep_params), sweep):
+        key = "sweep_fused_ms[" + ",".join(f"{k}={v}" for k, v in change.items()) + "]"
+        paths[key] = lambda point=point: uniep("fused", point)
+
+    def report_error(key, trace):
+        if rank == 0:
+            print(f"{name} {key} failed:\n{trace}", flush=True)
+
     with torch.no_grad():
-        record["uniep_fused_ms"] = time_ms(uniep("fused"), args.warmup, args.reps)
-        record["uniep_sequential_ms"] = time_ms(uniep("sequential"), args.warmup, args.reps)
+        record.update(time_alternating(paths, warmup=args.warmup, reps=args.reps, rounds=args.rounds, group=group,
+                                       on_error=report_error))
         ws.check_errors()
         if args.graph:
             for schedule in ("fused", "sequential"):
                 record[f"uniep_{schedule}_graph_ms"] = time_ms(graph_replay(uniep(schedule)), args.warmup, args.reps)
             ws.check_errors()
-        record["titan_ep_ms"] = time_ms(lambda: titan(x, scores, indices), args.warmup, args.reps)
-        record["gemm_only_ms"] = time_ms(gemm, args.warmup, args.reps)
-        record["transfer_only_ms"] = time_ms(transfer, args.warmup, args.reps)
         if args.check:
-            record.update(check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan, args, group))
-        for change, point in zip(json.loads(args.sweep_params), sweep):
-            key = "sweep_fused_ms[" + ",".join(f"{k}={v}" for k, v in change.items()) + "]"
-            record[key] = time_ms(
-                lambda point=point: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule="fused",
-                                                score_before_experts=sb, params=point, error_check="lazy"),
-                args.warmup, args.reps)
-            ws.check_errors()
+            record["check"] = check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan(), args, group,
+                                    tuned, tuned_ws)
+            record["check_failures"] = failures(record["check"], LIMITS["forward"][args.dtype])
         if args.profile and name == next(iter(args.shape_names)):
             profile_kernels(uniep, rank)
+    if args.report:
+        from .tune import MoELayer, predictions
+
+        points = {"default": params, **({"tuned": tuned} if tuned is not None else {})}
+        record["model"] = predictions(MoELayer(name, *shape, sb, dtype), indices, group, points, args.constants)
     flops = 2 * 3 * dim * hidden * received_rows
     total_flops = torch.tensor([flops], device=dev, dtype=torch.float64)
     dist.all_reduce(total_flops, op=dist.ReduceOp.MAX, group=group)
-    record["gemm_tflops_slowest_rank"] = total_flops.item() / record["gemm_only_ms"] / 1e9
-    record["bound_ms"] = max(record["gemm_only_ms"], record["transfer_only_ms"])
-    record["speedup_fused_vs_titan"] = record["titan_ep_ms"] / record["uniep_fused_ms"]
-    record["speedup_sequential_vs_titan"] = record["titan_ep_ms"] / record["uniep_sequential_ms"]
-    record["fused_over_gemm_only"] = record["uniep_fused_ms"] / record["gemm_only_ms"]
-    record["fused_over_bound"] = record["uniep_fused_ms"] / record["bound_ms"]
-    del ws, keep_alive
-    torch.cuda.empty_cache()
+    measured = {k: v for k, v in record.items() if k.endswith("_ms") and isinstance(v, float)}
+    if "gemm_only_ms" in measured:
+        record["gemm_tflops_slowest_rank"] = total_flops.item() / measured["gemm_only_ms"] / 1e9
+    if {"gemm_only_ms", "transfer_only_ms"} <= set(measured):
+        record["bound_ms"] = max(measured["gemm_only_ms"], measured["transfer_only_ms"])
+    for key in ("uniep_fused_ms", "uniep_sequential_ms", "uniep_tuned_ms"):
+        if key in measured and "titan_ep_ms" in measured:
+            record[f"speedup_{key.removesuffix('_ms').removeprefix('uniep_')}_vs_titan"] = (
+                measured["titan_ep_ms"] / measured[key])
+    if "uniep_fused_ms" in measured:
+        for key in ("gemm_only_ms", "bound_ms"):
+            if record.get(key):
+                record[f"fused_over_{key.removesuffix('_ms')}"] = measured["uniep_fused_ms"] / record[key]
+    del keep_alive  # the transfer path's symmetric buffer
     return record
 
 
@@ -258,27 +301,43 @@ def profile_kernels(uniep, rank):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
-def check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan, args, group):
+def check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan, args, group,
+          tuned=None, tuned_ws=None) -> dict[str, float]:
+    """The ``--check`` statistics (maxima over the ranks; ``accuracy.failures``
+    reads them): fused == sequential (and the tuned point == the default)
+    bitwise, UniEP against TorchTitan on every token, both against float64 on
+    the first ``--check-tokens`` tokens of every rank."""
     n = min(args.check_tokens, x.shape[0])
-    outs = {s: moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule=s,
-                           score_before_experts=args.score_before, params=params, error_check="sync")
-            for s in ("sequential", "fused")}
-    tt = titan(x, scores, indices)
+    slots = ws.shape.slot_capacity
+
+    def run(schedule, point=params, workspace=ws):
+        return moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=workspace, schedule=schedule,
+                           score_before_experts=args.score_before, params=point, error_check="sync",
+                           saved_h13=x.new_empty(slots, 2 * w1.shape[1]))
+
+    outs = {s: run(s) for s in ("sequential", "fused")}
     exact = float64_moe_oracle(x[:n], scores[:n], indices[:n], w1, w2, w3, score_before_experts=args.score_before)
-    scale = exact.abs().max().clamp_min(1e-30)
-    stats = torch.tensor([
-        float(not torch.equal(outs["sequential"], outs["fused"])),
-        ((outs["fused"][:n].double() - exact).abs().max() / scale).item(),
-        ((tt[:n].double() - exact).abs().max() / scale).item(),
-        ((outs["fused"].double() - tt.double()).abs().max() / tt.double().abs().max()).item(),
-    ], device=x.device, dtype=torch.float64)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-    return dict(
-        check_fused_equals_sequential=stats[0].item() == 0.0,
-        check_fused_rel_err_vs_f64=stats[1].item(),
-        check_titan_rel_err_vs_f64=stats[2].item(),
-        check_fused_vs_titan_rel_diff=stats[3].item(),
-    )
+    tuned_out = None if tuned is None else run("fused", tuned, tuned_ws)
+    stats = forward_stats(outs["sequential"], outs["fused"], titan(), exact, tuned_out)
+    return max_over_group(stats, group, x.device)
+
+
+def forward_stats(sequential: torch.Tensor, fused: torch.Tensor, titan: torch.Tensor, exact: torch.Tensor,
+                  tuned: torch.Tensor | None = None) -> dict[str, float]:
+    """One rank's ``--check`` statistics of the forward (``accuracy.failures``
+    names): the outputs ``(T, D)`` of both schedules, of TorchTitan's path and
+    (optional) of the tuned point, and the float64 oracle of the first
+    ``exact.shape[0]`` tokens."""
+    n = exact.shape[0]
+    stats = {
+        "out_fused_vs_sequential_bitwise_diff": float(not torch.equal(sequential, fused)),
+        "out_vs_float64": rel_diff(fused[:n], exact),
+        "out_titan_vs_float64": rel_diff(titan[:n], exact),
+        "out_vs_titan": rel_diff(fused, titan),
+    }
+    if tuned is not None:
+        stats["out_tuned_vs_default_bitwise_diff"] = float(not torch.equal(tuned, fused))
+    return stats
 
 
 def main(argv=None) -> None:
@@ -296,24 +355,35 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--shapes", type=str, default="", help=f"comma list of {', '.join(SHAPES)} (overrides the sizes)")
+    parser.add_argument("--shapes", type=str, default="",
+                        help=f"comma list of {', '.join(SHAPES)} or T,D,H,E,K (overrides the sizes)")
     parser.add_argument("--routing", choices=("balanced", "skewed", "zipf"), default="balanced")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--score-before", action="store_true", help="scores multiply the expert inputs")
-    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--check", action="store_true",
+                        help="bitwise, vs TorchTitan and vs float64; exit 1 beyond the limits (titan_uniep.accuracy)")
     parser.add_argument("--check-tokens", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of alternating path order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a LayerParams field of the default point (repeatable)")
     parser.add_argument("--sweep-params", default="[]",
                         help='JSON list of LayerParams overrides whose fused forward to time too, e.g. '
                              '\'[{"dispatch_programs": 32}, {"combine": "staged"}]\'')
+    parser.add_argument("--tuned-cache", default=None,
+                        help="tuning cache whose entry to time as uniep_tuned (default: the cache's default path)")
+    parser.add_argument("--report", default="", metavar="DIR", help="write forward.md and PNG plots into DIR")
+    parser.add_argument("--constants", default="", help="the tuning model's hardware constants (report)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--graph", action="store_true", help="also time CUDA-graph replays of the UniEP forward")
     parser.add_argument("--json-out", type=str, default="", help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
+    if args.tuned_cache is None:
+        from .tuning.cache import default_cache_path
+
+        args.tuned_cache = default_cache_path()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local_rank)
@@ -324,13 +394,14 @@ def main(argv=None) -> None:
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
     if args.shapes:
-        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        shapes = dict(parse_shape(text) for text in args.shapes.split(","))
     else:
         shapes = {"custom": (args.tokens, args.dim, args.hidden, args.experts, args.topk)}
     args.shape_names = list(shapes)
     records = []
     for name, shape in shapes.items():
         record = bench_shape(name, shape, args, group, mesh, dev)
+        torch.cuda.empty_cache()  # the shape's workspaces and weights, before the next shape's
         records.append(record)
         if dist.get_rank() == 0:
             line = json.dumps(record)
@@ -338,15 +409,22 @@ def main(argv=None) -> None:
             if args.json_out:
                 with open(args.json_out, "a") as f:
                     f.write(line + "\n")
-    if dist.get_rank() == 0:
-        cols = ("titan_ep_ms", "uniep_sequential_ms", "uniep_fused_ms", "gemm_only_ms", "transfer_only_ms",
-                "bound_ms", "speedup_fused_vs_titan", "fused_over_gemm_only", "fused_over_bound")
+    rank = dist.get_rank()
+    if rank == 0:
+        cols = ("titan_ep_ms", "uniep_sequential_ms", "uniep_fused_ms", "uniep_tuned_ms", "gemm_only_ms",
+                "transfer_only_ms", "bound_ms", "speedup_fused_vs_titan", "fused_over_gemm_only", "fused_over_bound")
         if args.graph:
             cols += ("uniep_sequential_graph_ms", "uniep_fused_graph_ms")
         print("| shape | " + " | ".join(cols) + " |")
         for r in records:
-            print(f"| {r['shape']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
+            print(f"| {r['shape']} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in cols) + " |")
+        if args.report:
+            from .report import write_report
+
+            for path in write_report(args.report, records, "forward"):
+                print(f"wrote {path}", flush=True)
     dist.destroy_process_group()
+    enforce(records, verbose=rank == 0)
 
 
 if __name__ == "__main__":

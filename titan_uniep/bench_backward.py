@@ -1,9 +1,10 @@
 """Forward + backward benchmark of one MoE layer's routed-expert path on an EP group.
 
-    torchrun --nproc_per_node 2 -m titan_uniep.bench_backward --shapes qwen3,deepseek
+    torchrun --nproc_per_node 2 -m titan_uniep.bench_backward --shapes qwen3,deepseek --check
 
-For each shape (``T`` tokens per rank, ``D``, ``H``, ``E``, ``K``), same inputs
-and routing (random router-like scores, balanced):
+For each shape (``T`` tokens per rank, ``D``, ``H``, ``E``, ``K``; names in
+``titan_uniep.shapes``), same inputs and routing (random router-like
+scores, balanced):
 
 - ``titan_ep``: TorchTitan 0.2.2 standard EP (``ExpertParallel`` on
   ``GroupedExperts``, the MoE.forward lines after the router) under autograd:
@@ -13,15 +14,28 @@ and routing (random router-like scores, balanced):
   ``runtime.moe_backward`` (each schedule for both directions);
   ``*_bwd`` the backward alone; ``uniep_fused_recompute``: the fused
   forward + backward when nothing is saved (the backward recomputes fc1);
+- ``uniep_tuned`` / ``uniep_tuned_bwd``: the fused schedule at the tuned
+  points of the tuning cache (``--tuned-cache``, default the cache's default
+  path; forward and backward entries), when it has an entry for the shape;
 - ``gemm_only``: ``torch._grouped_mm`` fc1/SwiGLU/fc2 on the rows this rank
   receives (groups padded to 8 rows) under autograd, forward + backward.
 
-Times: CUDA events, warm-up first, median over ``--reps``, slowest rank (ms).
-``--sweep-tiles '[{"wgrad": "triton"}, ...]'``: the fused backward again with
-each ``LayerParams`` override of ``--sweep-params`` (``uniep_fused_bwd[...]``).
+Times: CUDA events, warm-up first, median over ``--reps``, slowest rank
+(ms), in ``--rounds`` rounds of alternating path order
+(``timing.time_alternating``); each path's own tensors (TorchTitan's module
+and gradients, the GEMM-only operands) are built right before its turn and
+freed after it, so only one path's are resident at a time (at DeepSeek
+sizes on one GPU each set is tens of GB).
+``--sweep-params '[{"wgrad_backend": "triton"}, ...]'``: the fused backward again with
+each ``LayerParams`` override (``uniep_fused_bwd[...]``).
 ``--profile``: rank 0 prints, for one backward call of each schedule, every
 CUDA kernel in launch order with its device time (the sequential schedule's
 launches are its phases: exchange, dispatch, dH, dA, wgrad, reduce).
+``--check``: every gradient bitwise equal across the schedules (saved and
+recomputed h1 | h3), close to TorchTitan's on the full inputs and to a
+float64 oracle on the first ``--check-tokens`` tokens of every rank
+(``titan_uniep.accuracy`` has the limits); exits 1 beyond them.
+``--report DIR``: Markdown and PNG plots per shape (``titan_uniep.report``).
 One ``JSON`` line per shape, then a table. A failing path prints its error
 and is reported as ``null`` (the others still run).
 """
@@ -31,38 +45,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
-from .timing import time_ms
+from .accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
 from .layout import compute_layout, count_per_expert
+from .oracle import float64_moe_backward_oracle
+from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from .shapes import SHAPES, layer_inputs, parse_shape
+from .timing import time_alternating
 
-SHAPES = {  # T per rank, D, H, E, K
-    "qwen3": (8192, 2048, 768, 128, 8),
-    "deepseek": (4096, 7168, 2048, 256, 8),
-    "mixtral": (8192, 4096, 14336, 8, 2),
-}
+GRAD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
 
 
-def titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before: bool):
-    """TorchTitan 0.2.2 MoE.forward after the router, with ExpertParallel, under autograd."""
+def titan_ep_module(w1, w2, w3, mesh, top_k: int):
+    """TorchTitan 0.2.2's GroupedExperts with ExpertParallel on ``mesh`` and
+    its TokenReorderer. The parameters share the given weights' storage (no
+    copy: at DeepSeek sizes one is 22 GB); their gradients are the module's."""
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
     from torchtitan.models.moe.moe import GroupedExperts, TokenReorderer
 
     num_experts, hidden, dim = w1.shape
-    top_k = indices.shape[1]
     with torch.device("meta"):
         experts = GroupedExperts(dim, hidden, num_experts, use_grouped_mm=True)
-    experts.w1 = torch.nn.Parameter(w1.clone())
-    experts.w2 = torch.nn.Parameter(w2.clone())
-    experts.w3 = torch.nn.Parameter(w3.clone())
+    experts.w1 = torch.nn.Parameter(w1)
+    experts.w2 = torch.nn.Parameter(w2)
+    experts.w3 = torch.nn.Parameter(w3)
     parallelize_module(experts, mesh, ExpertParallel())
-    reorderer = TokenReorderer(num_experts=num_experts, top_k=top_k)
+    return experts, TokenReorderer(num_experts=num_experts, top_k=top_k)
+
+
+def titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before: bool, *, keep_grads: bool = False):
+    """A step of TorchTitan's MoE.forward after the router, then its backward.
+    ``keep_grads``: the step returns ``(dx, dscores, dw1, dw2, dw3)`` (this
+    rank's expert shards), else it frees them and returns None."""
+    top_k = indices.shape[1]
+    dim = x.shape[1]
+    experts, reorderer = titan_ep_module(w1, w2, w3, mesh, top_k)
     x = x.detach().requires_grad_()
     scores = scores.detach().requires_grad_()
 
@@ -80,7 +102,11 @@ def titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before: b
         else:
             out = unsorted.sum(dim=1)
         out.backward(grad)
+        grads = None
+        if keep_grads:
+            grads = (x.grad, scores.grad, *(getattr(experts, w).grad.to_local() for w in ("w1", "w2", "w3")))
         experts.w1.grad = experts.w2.grad = experts.w3.grad = x.grad = scores.grad = None
+        return grads
 
     return step
 
@@ -89,7 +115,7 @@ def gemm_only_fwd_bwd(tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, d
     sizes = (tokens_per_local_expert + 7) // 8 * 8
     offsets = torch.cumsum(sizes, 0).to(torch.int32)
     rows = torch.randn(int(sizes.sum()), dim, generator=gen, device=dev).to(dtype).requires_grad_()
-    weights = [w.detach().clone().requires_grad_() for w in (w1l, w2l, w3l)]
+    weights = [w.detach().requires_grad_() for w in (w1l, w2l, w3l)]  # same storage, own gradients
     grad = torch.randn(rows.shape, generator=gen, device=dev).to(dtype)
 
     def step():
@@ -103,26 +129,14 @@ def gemm_only_fwd_bwd(tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, d
     return step
 
 
-def layer_inputs(shape, rank: int, world: int, dev, dtype=torch.bfloat16) -> dict:
-    """This rank's bf16 inputs of the benchmark's layer: x, the output gradient
-    ``grad``, router-like ``scores``/``indices`` (top-k of a softmax), the
-    whole ``w1``, ``w2``, ``w3`` (same on every rank) and its local
-    ``w1l``, ``w2l``, ``w3l``."""
+def tuned_points(path: str, shape, world: int, dtype: torch.dtype, dev) -> dict[str, tuple]:
+    """``{"forward": (params | None, reason), "backward": ...}`` of ``shape`` in the tuning cache at ``path``."""
+    from .tuning.cache import CacheKey, lookup_file
+
     num_tokens, dim, hidden, num_experts, top_k = shape
-    el = num_experts // world
-    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    wgen = torch.Generator(device=dev).manual_seed(99)
-    out = dict(x=torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype),
-               grad=torch.randn(num_tokens, dim, generator=gen, device=dev).to(dtype))
-    probs = torch.softmax(torch.randn(num_tokens, num_experts, generator=gen, device=dev), 1)
-    out["scores"], out["indices"] = (t.contiguous() for t in probs.topk(top_k, dim=1))
-    out["w1"] = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
-    out["w3"] = (torch.randn(num_experts, hidden, dim, generator=wgen, device=dev) * dim**-0.5).to(dtype)
-    out["w2"] = (torch.randn(num_experts, dim, hidden, generator=wgen, device=dev) * hidden**-0.5).to(dtype)
-    mine = slice(rank * el, (rank + 1) * el)
-    for w in ("w1", "w2", "w3"):
-        out[w + "l"] = out[w][mine].contiguous()
-    return out
+    key = CacheKey.for_layer(gpu=torch.cuda.get_device_name(dev), ep_size=world, dtype=dtype, num_tokens=num_tokens,
+                             dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k)
+    return lookup_file(path, key)
 
 
 def bench_shape(name, shape, args, group, mesh, dev):
@@ -135,75 +149,167 @@ def bench_shape(name, shape, args, group, mesh, dev):
     gen = torch.Generator(device=dev).manual_seed(4321 + rank)  # the GEMM-only path's own inputs
     score_before = args.score_before
     result = {"shape": name, "T": num_tokens, "D": dim, "H": hidden, "E": num_experts, "K": top_k, "world": world,
-              "score_before": score_before}
-
-    def measure(key, make):
-        try:
-            result[key] = round(time_ms(make(), args.warmup, args.reps), 3)
-        except Exception:  # noqa: BLE001 - one failing path must not hide the others
-            if rank == 0:
-                print(f"{name} {key} failed:\n{traceback.format_exc()}", flush=True)
-            result[key] = None
-            torch.cuda.synchronize()
-            dist.barrier()
-
-    measure("titan_ep", lambda: titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before))
-    fwd_ws = bwd_ws = None
-    try:
-        fwd_ws = Workspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts,
-                                     top_k=top_k, dtype=dtype, device=dev)
-    except Exception:  # noqa: BLE001
-        if rank == 0:
-            print(f"forward workspace failed:\n{traceback.format_exc()}", flush=True)
-    bwd_ws = BackwardWorkspace.for_group(group, num_tokens=num_tokens, dim=dim, hidden=hidden,
-                                         num_experts=num_experts, top_k=top_k, dtype=dtype, device=dev)
+              "score_before": score_before, "dtype": "bf16", "gpu": torch.cuda.get_device_name(dev)}
+    sizes = dict(num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, dtype=dtype,
+                 device=dev)
+    fwd_ws = Workspace.for_group(group, **sizes)
+    bwd_ws = BackwardWorkspace.for_group(group, **sizes)
+    tuned = tuned_points(args.tuned_cache, shape, world, dtype, dev) if args.tuned_cache else {}
+    tuned_fwd, tuned_bwd = (tuned.get(d, (None, ""))[0] for d in ("forward", "backward"))
+    result["tuned"] = {d: {"applied": p is not None, "reason": why} for d, (p, why) in tuned.items()}
+    tuned_fwd_ws = tuned_bwd_ws = None
+    if tuned_fwd is not None:
+        tuned_fwd_ws = Workspace.for_group(group, **sizes, params=tuned_fwd)
+    if tuned_bwd is not None:
+        tuned_bwd_ws = BackwardWorkspace.for_group(group, **sizes, params=tuned_bwd)
     # As the custom op runs it: the forward saves h1 | h3 per slot, the backward reads them.
     h13 = torch.empty(fwd_ws.shape.slot_capacity, 2 * hidden, dtype=dtype, device=dev)
     moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=fwd_ws, schedule="sequential",
                 score_before_experts=score_before, saved_h13=h13)
 
-    def bwd_call(schedule, saved=True, params=None):
-        return moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=bwd_ws, schedule=schedule,
+    def fwd_call(schedule, saved=True, params=None, ws=None):
+        return moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws or fwd_ws, schedule=schedule,
+                           score_before_experts=score_before, saved_h13=h13 if saved else None, params=params)
+
+    def bwd_call(schedule, saved=True, params=None, ws=None):
+        return moe_backward(grad, x, scores, indices, w1l, w2l, w3l, workspace=ws or bwd_ws, schedule=schedule,
                             score_before_experts=score_before, saved_h13=h13 if saved else None, params=params)
 
-    for schedule in ("sequential", "fused"):
-        def fwd_bwd(schedule=schedule, saved=True):
-            def step():
-                moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=fwd_ws, schedule=schedule,
-                            score_before_experts=score_before, saved_h13=h13 if saved else None)
-                bwd_call(schedule, saved)
-            return step
+    def fwd_bwd(schedule, saved=True, fwd=(None, None), bwd=(None, None)):
+        def step():
+            fwd_call(schedule, saved, *fwd)
+            bwd_call(schedule, saved, *bwd)
+        return step
 
-        measure(f"uniep_{schedule}_bwd", lambda schedule=schedule: lambda: bwd_call(schedule))
-        measure(f"uniep_{schedule}", fwd_bwd)
-    # The backward that recomputes h1, h3 (nothing saved beyond the inputs).
-    measure("uniep_fused_recompute", lambda: fwd_bwd("fused", saved=False))
-    counts_all = torch.empty(world, num_experts, dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(counts_all, count_per_expert(indices, num_experts), group=group)
-    layout = compute_layout(indices, counts_all, rank)
-    measure("gemm_only", lambda: gemm_only_fwd_bwd(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype,
-                                                   gen, dev))
+    def gemm_only():
+        counts_all = torch.empty(world, num_experts, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(counts_all, count_per_expert(indices, num_experts), group=group)
+        layout = compute_layout(indices, counts_all, rank)
+        return gemm_only_fwd_bwd(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, dev)
+
+    paths = {
+        "titan_ep": lambda: titan_ep_fwd_bwd(x, scores, indices, grad, w1, w2, w3, mesh, score_before),
+        "uniep_sequential_bwd": lambda: lambda: bwd_call("sequential"),
+        "uniep_fused_bwd": lambda: lambda: bwd_call("fused"),
+        "uniep_sequential": lambda: fwd_bwd("sequential"),
+        "uniep_fused": lambda: fwd_bwd("fused"),
+        # The backward that recomputes h1, h3 (nothing saved beyond the inputs).
+        "uniep_fused_recompute": lambda: fwd_bwd("fused", saved=False),
+        "gemm_only": gemm_only,
+    }
+    if tuned_fwd is not None or tuned_bwd is not None:
+        fwd_point, bwd_point = (tuned_fwd, tuned_fwd_ws), (tuned_bwd, tuned_bwd_ws)
+        paths["uniep_tuned"] = lambda: fwd_bwd("fused", fwd=fwd_point, bwd=bwd_point)
+    if tuned_bwd is not None:
+        paths["uniep_tuned_bwd"] = lambda: lambda: bwd_call("fused", True, *bwd_point)
     for override in json.loads(args.sweep_params):
         point = bwd_ws.inner.params.replace(**override)
         key = "uniep_fused_bwd[" + ",".join(f"{k}={v}" for k, v in override.items()) + "]"
-        measure(key, lambda point=point: lambda: bwd_call("fused", params=point))
+        paths[key] = lambda point=point: lambda: bwd_call("fused", params=point)
+
+    def report_error(key, trace):
+        if rank == 0:
+            print(f"{name} {key} failed:\n{trace}", flush=True)
+
+    times = time_alternating(paths, warmup=args.warmup, reps=args.reps, rounds=args.rounds, group=group,
+                             on_error=report_error)
+    result.update({key: None if ms is None else round(ms, 3) for key, ms in times.items()})
     if args.profile:
         profile_backward(bwd_call, rank, name)
     if args.check:
-        outs = [bwd_call(s, saved) for saved in (True, False) for s in ("sequential", "fused")]
-        same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])) and all(
-            torch.equal(a, b) for a, b in zip(outs[2], outs[3]))
-        # Saved h1 | h3 against recomputed: the same math, up to the GEMMs' rounding.
-        diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                   for a, b in zip(outs[1], outs[3]))
-        result["saved_vs_recompute_max_rel_diff"] = diff
-        flag = torch.tensor([int(same)], device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        result["bitwise_fused_eq_sequential"] = bool(flag.item())
-    for key in ("uniep_sequential", "uniep_fused", "gemm_only"):
+        stats = check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev,
+                      tuned=None if tuned_bwd is None else (tuned_bwd, tuned_bwd_ws))
+        result["saved_vs_recompute_max_rel_diff"] = stats.pop("saved_vs_recompute")
+        result["check"] = stats
+        result["check_failures"] = failures(stats, LIMITS["backward"]["bf16"])
+    if args.report:
+        from .tune import MoELayer, predictions
+
+        default = bwd_ws.inner.params
+        points = {"default": (fwd_ws.params, default)}
+        if tuned_fwd is not None or tuned_bwd is not None:
+            points["tuned"] = (tuned_fwd or fwd_ws.params, tuned_bwd or default)
+        result["model"] = predictions(MoELayer(name, *shape, score_before, dtype), indices, group, points,
+                                      args.constants)
+    for key in ("uniep_sequential", "uniep_fused", "uniep_tuned", "gemm_only"):
         if result.get(key) and result.get("titan_ep"):
             result[f"speedup_{key}_vs_titan"] = round(result["titan_ep"] / result[key], 3)
     return result
+
+
+def check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev, tuned=None) -> dict[str, float]:
+    """The ``--check`` statistics of one shape (maxima over the ranks), in an
+    order that keeps at most two sets of gradients resident. ``tuned``: the
+    tuned backward point and its workspace, whose gradients must be the
+    default's bits."""
+    x, grad, scores, indices = (inputs[n] for n in ("x", "grad", "scores", "indices"))
+    local = (inputs["w1l"], inputs["w2l"], inputs["w3l"])
+    sb = args.score_before
+    stats = {}
+
+    def backward(schedule, saved=True, params=None, workspace=bwd_ws):
+        return moe_backward(grad, x, scores, indices, *local, workspace=workspace, schedule=schedule,
+                            score_before_experts=sb, saved_h13=h13 if saved else None, params=params)
+
+    def bitwise(name, a, b):
+        stats[f"{name}_bitwise_diff"] = float(not all(torch.equal(u, v) for u, v in zip(a, b)))
+
+    moe_forward(x, scores, indices, *local, workspace=fwd_ws, schedule="sequential", score_before_experts=sb,
+                saved_h13=h13)
+    fused = backward("fused")
+    titan = titan_ep_fwd_bwd(x, scores, indices, grad, inputs["w1"], inputs["w2"], inputs["w3"], mesh, sb,
+                             keep_grads=True)()
+    for grad_name, ours, theirs in zip(GRAD_NAMES, fused, titan):
+        stats[f"{grad_name}_vs_titan"] = rel_diff(ours.float(), theirs.float())
+    del titan
+    bitwise("grads_fused_vs_sequential", fused, backward("sequential"))
+    if tuned is not None:
+        bitwise("grads_tuned_vs_default", fused, backward("fused", True, *tuned))
+    recomputed = backward("fused", saved=False)
+    # Saved h1 | h3 against recomputed: the same math, up to the GEMMs' rounding (reported, not asserted).
+    saved_vs_recompute = max(rel_diff(a.float(), b.float()) for a, b in zip(fused, recomputed))
+    del fused
+    bitwise("grads_recompute_fused_vs_sequential", recomputed, backward("sequential", saved=False))
+    del recomputed
+    stats.update(check_float64(inputs, fwd_ws, bwd_ws, args, group, dev))
+    stats = max_over_group(stats, group, dev)
+    stats["saved_vs_recompute"] = max_over_group({"d": saved_vs_recompute}, group, dev)["d"]
+    return stats
+
+
+def check_float64(inputs, fwd_ws, bwd_ws, args, group, dev, max_experts: int = 4) -> dict[str, float]:
+    """The fused forward + backward of every rank's first ``--check-tokens``
+    tokens against the float64 oracle: dx and the score gradients of this
+    rank's tokens, and the weight gradients of (at most ``max_experts``, the
+    most loaded) local experts, which sum over every rank's subsample
+    (gathered here)."""
+    n = min(args.check_tokens, inputs["x"].shape[0])
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    sb = args.score_before
+    sub = {k: inputs[k][:n].contiguous() for k in ("x", "grad", "scores", "indices")}
+    local = (inputs["w1l"], inputs["w2l"], inputs["w3l"])
+    h13 = torch.empty(fwd_ws.shape.slot_capacity, 2 * local[0].shape[1], dtype=sub["x"].dtype, device=dev)
+    moe_forward(sub["x"], sub["scores"], sub["indices"], *local, workspace=fwd_ws, schedule="fused",
+                score_before_experts=sb, saved_h13=h13)
+    ours = moe_backward(sub["grad"], sub["x"], sub["scores"], sub["indices"], *local, workspace=bwd_ws,
+                        schedule="fused", score_before_experts=sb, saved_h13=h13, error_check="sync")
+    weights = (inputs["w1"], inputs["w2"], inputs["w3"])
+    dx, dscores, _, _, _ = float64_moe_backward_oracle(sub["x"], sub["scores"], sub["indices"], sub["grad"],
+                                                       *weights, score_before_experts=sb, weight_grads=False)
+    stats = {"dx_vs_float64": rel_diff(ours[0], dx), "dscores_vs_float64": rel_diff(ours[1], dscores)}
+    every = {k: torch.empty(world * n, *v.shape[1:], dtype=v.dtype, device=dev) for k, v in sub.items()}
+    for k, v in sub.items():
+        dist.all_gather_into_tensor(every[k], v, group=group)
+    num_local = local[0].shape[0]
+    mine = range(rank * num_local, (rank + 1) * num_local)
+    load = torch.bincount(every["indices"].flatten(), minlength=world * num_local)[mine.start:mine.stop]
+    picked = sorted(load.argsort(descending=True)[:max_experts].tolist())
+    _, _, dw1, dw2, dw3 = float64_moe_backward_oracle(every["x"], every["scores"], every["indices"], every["grad"],
+                                                      *weights, score_before_experts=sb,
+                                                      experts=[mine.start + e for e in picked])
+    for name, got, want in zip(("dw1", "dw2", "dw3"), ours[2:], (dw1, dw2, dw3)):
+        stats[f"{name}_vs_float64"] = rel_diff(got[picked], want)
+    return stats
 
 
 def profile_backward(call, rank: int, name: str) -> None:
@@ -226,17 +332,29 @@ def profile_backward(call, rank: int, name: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="qwen3,deepseek")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3,deepseek", help=f"comma list of {', '.join(SHAPES)} or T,D,H,E,K")
+    parser.add_argument("--tokens", type=int, default=0, help="tokens per rank instead of the shapes' own")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of alternating path order")
     parser.add_argument("--score-before", action="store_true")
-    parser.add_argument("--check", action="store_true", help="fused == sequential bitwise (all grads)")
+    parser.add_argument("--check", action="store_true",
+                        help="bitwise across schedules, close to TorchTitan and float64; exit 1 beyond the limits")
+    parser.add_argument("--check-tokens", type=int, default=256, help="tokens per rank of the float64 check")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--profile", action="store_true", help="rank 0: one call's kernels, in order")
     parser.add_argument("--sweep-params", default="[]",
                         help="JSON list of LayerParams overrides whose fused backward to time")
+    parser.add_argument("--tuned-cache", default=None,
+                        help="tuning cache whose entries to time as uniep_tuned (default: the cache's default path)")
+    parser.add_argument("--report", default=None, metavar="DIR", help="write backward.md and PNG plots into DIR")
+    parser.add_argument("--constants", default="", help="the tuning model's hardware constants (report)")
     args = parser.parse_args(argv)
+    if args.tuned_cache is None:
+        from .tuning.cache import default_cache_path
+
+        args.tuned_cache = default_cache_path()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dev = torch.device("cuda", local_rank)
@@ -246,8 +364,11 @@ def main(argv=None) -> None:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
     group = dist.group.WORLD
     results = []
-    for name in args.shapes.split(","):
-        res = bench_shape(name, SHAPES[name], args, group, mesh, dev)
+    for text in args.shapes.split(","):
+        name, shape = parse_shape(text)
+        if args.tokens:
+            shape = (args.tokens, *shape[1:])
+        res = bench_shape(name, shape, args, group, mesh, dev)
         results.append(res)
         torch.cuda.empty_cache()
         if dist.get_rank() == 0:
@@ -255,16 +376,23 @@ def main(argv=None) -> None:
             if args.json_out:
                 with open(args.json_out, "a") as f:
                     f.write(json.dumps(res) + "\n")
-    if dist.get_rank() == 0:
-        keys = ("titan_ep", "uniep_sequential", "uniep_fused", "uniep_sequential_bwd", "uniep_fused_bwd",
-                "uniep_fused_recompute", "gemm_only")
+    rank = dist.get_rank()
+    if rank == 0:
+        keys = ("titan_ep", "uniep_sequential", "uniep_fused", "uniep_tuned", "uniep_sequential_bwd",
+                "uniep_fused_bwd", "uniep_tuned_bwd", "uniep_fused_recompute", "gemm_only")
         print("| shape | " + " | ".join(keys) + " | fused vs TT |")
         print("|---" * (len(keys) + 2) + "|")
         for res in results:
             cells = [f"{res.get(k):.2f}" if res.get(k) else "-" for k in keys]
             ratio = res.get("speedup_uniep_fused_vs_titan")
             print(f"| {res['shape']} | " + " | ".join(cells) + f" | {ratio if ratio else '-'} |")
+        if args.report:
+            from .report import write_report
+
+            for path in write_report(args.report, results, "backward"):
+                print(f"wrote {path}", flush=True)
     dist.destroy_process_group()
+    enforce(results, verbose=rank == 0)
 
 
 if __name__ == "__main__":

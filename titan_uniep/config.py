@@ -16,6 +16,8 @@ from typing import Literal, get_args
 ScheduleName = Literal["reference", "sequential", "fused"]
 SCHEDULE_NAMES = get_args(ScheduleName)
 GUARDS = ("off", "check", "strict")
+TuningMode = Literal["off", "cached", "search"]
+TUNING_MODES = get_args(TuningMode)
 
 
 @dataclass
@@ -50,6 +52,22 @@ class UniEP:
     """Which MoE layer the guard recomputes: its position among the MoE layers
     (0 = first; negative counts from the last, -1 = last)."""
 
+    tuning: TuningMode = "off"
+    """Which kernel parameters (``titan_uniep.params.LayerParams``) each MoE
+    layer runs with; no tuning changes a bit. ``"off"``: the shipped defaults.
+    ``"cached"``: the entry of the layer's shape in ``tuning_cache``, written
+    by ``python -m titan_uniep.tune``; a shape without an entry, or with only
+    entries measured on another GPU, EP size or kernel version, runs the
+    defaults, with one warning per shape saying why. ``"search"``: measure the
+    best candidates of every MoE shape of the run at start-up (GPU only, up to
+    about two minutes per shape), write them into ``tuning_cache``, then run
+    them. Needs a kernel schedule (``"sequential"`` or ``"fused"``)."""
+
+    tuning_cache: str = ""
+    """The tuning cache file (JSON, see ``titan_uniep.tuning.cache``) that
+    ``tuning = "cached"`` reads and ``"search"`` writes. Empty:
+    ``$XDG_CACHE_HOME/titan_uniep/tuning.json`` (``~/.cache/titan_uniep/tuning.json``)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.enable, bool):
             raise ValueError(f"[uniep] enable must be true or false, got {self.enable!r}")
@@ -69,6 +87,18 @@ class UniEP:
             )
         if isinstance(self.guard_layer, bool) or not isinstance(self.guard_layer, int):
             raise ValueError(f"[uniep] guard_layer must be an integer, got {self.guard_layer!r}")
+        if self.tuning not in TUNING_MODES:
+            raise ValueError(
+                f"[uniep] tuning = {self.tuning!r} is not a tuning mode; "
+                f"use one of {', '.join(repr(t) for t in TUNING_MODES)}"
+            )
+        if not isinstance(self.tuning_cache, str):
+            raise ValueError(f"[uniep] tuning_cache must be a file path (a string), got {self.tuning_cache!r}")
+        if self.tuning != "off" and self.schedule == "reference":
+            raise ValueError(
+                f"[uniep] tuning = {self.tuning!r} tunes UniEP's kernels, but schedule = \"reference\" runs none. "
+                "Set schedule = \"fused\" (or \"sequential\"), or tuning = \"off\"."
+            )
 
 
 @dataclass

@@ -22,7 +22,8 @@ Workspaces: one forward and one backward workspace per (EP group, layer
 shape, dtype, device), built on first use (a collective: every EP rank
 reaches its first MoE layer together) and reused by every layer and step,
 sized for the largest token count known then (``reserve_tokens``, set by the
-parallelize hook from the job's batch and sequence length).
+parallelize hook from the job's batch and sequence length), with the
+``LayerParams`` point ``[uniep] tuning`` selects (``tuning.selection``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from titan_uniep.layout import slot_capacity
 from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from titan_uniep.tuning.selection import select_params
 
 __all__ = ["moe_experts", "reserve_tokens", "workspace_for"]
 
@@ -63,10 +65,11 @@ def workspace_for(
     num_tokens = x.shape[0]
     if ws is None:
         capacity = max(num_tokens, _reserved_tokens.get(group_name, 0), 1)
-        ws = (BackwardWorkspace if backward else Workspace).for_group(
-            group, num_tokens=capacity, dim=x.shape[1], hidden=w1.shape[1], num_experts=num_experts,
-            top_k=top_k, dtype=x.dtype, device=x.device,
-        )
+        layer = dict(num_tokens=capacity, dim=x.shape[1], hidden=w1.shape[1], num_experts=num_experts, top_k=top_k,
+                     dtype=x.dtype, device=x.device)
+        # [uniep] tuning's point for this layer (None: the default); a collective when tuning is on.
+        params = select_params(group, **layer, backward=backward)
+        ws = (BackwardWorkspace if backward else Workspace).for_group(group, **layer, params=params)
         _workspaces[key] = ws
     elif num_tokens > (capacity := getattr(ws, "inner", ws).shape.token_capacity):
         # Growing is a collective; a single rank discovering it mid-step

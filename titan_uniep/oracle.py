@@ -1,8 +1,11 @@
-"""Ordered pure-PyTorch oracles of UniEP's forward (used by tests and the
-benchmark's ``--check``).
+"""Ordered pure-PyTorch oracles of UniEP's forward and backward (used by
+tests and the benchmarks' ``--check``).
 
 - ``float64_moe_oracle``: the math itself, in float64, straight from the
   global expert weights; no layout, no exchange. The oracle for "close".
+- ``float64_moe_backward_oracle``: its gradients, in float64, expert by
+  expert (one expert's weights in float64 at a time, so that it runs at
+  DeepSeek sizes on a subsample of tokens).
 - ``layout_oracle_forward``: a simulated world that places every copy with
   ``titan_uniep.layout`` and rounds exactly where the kernels round
   (activation dtype after each GEMM and after silu, fp32 accumulation, top-k
@@ -18,7 +21,7 @@ import torch
 
 from .layout import compute_layout, count_per_expert
 
-__all__ = ["float64_moe_oracle", "layout_oracle_forward"]
+__all__ = ["float64_moe_backward_oracle", "float64_moe_oracle", "layout_oracle_forward"]
 
 
 def float64_moe_oracle(
@@ -46,6 +49,59 @@ def float64_moe_oracle(
         y = hidden @ w2[e].to(torch.float64).T
         out.index_add_(0, token, y if score_before_experts else y * score)
     return out
+
+
+def float64_moe_backward_oracle(
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    selected_experts_indices: torch.Tensor,
+    grad_out: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    score_before_experts: bool,
+    experts: Sequence[int] | None = None,
+    weight_grads: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``float64_moe_oracle`` for the output gradient ``grad_out``
+    ``(T, D)``, in float64: ``dx (T, D)``, ``dscores (T, K)`` and ``dw1``,
+    ``dw2``, ``dw3`` of the experts in ``experts`` (default all; global ids)
+    stacked in that order (``(len(experts), H, D)``, ``(.., D, H)``,
+    ``(.., H, D)``; None without ``weight_grads``). Only the copies routed to
+    ``experts`` contribute, to ``dx`` and ``dscores`` too: pass every expert
+    for those."""
+    x64, g64 = x.to(torch.float64), grad_out.to(torch.float64)
+    experts = list(range(w1.shape[0])) if experts is None else list(experts)
+    dx = torch.zeros_like(x64)
+    dscores = torch.zeros(top_scores.shape, dtype=torch.float64, device=x.device)
+    dws = [torch.zeros(len(experts), *w.shape[1:], dtype=torch.float64, device=x.device) if weight_grads else None
+           for w in (w1, w2, w3)]
+    for i, e in enumerate(experts):
+        token, choice = (selected_experts_indices == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        we1, we2, we3 = (w[e].to(torch.float64) for w in (w1, w2, w3))
+        score = top_scores[token, choice].to(torch.float64)[:, None]
+        rows = x64[token] * score if score_before_experts else x64[token]
+        gate, up = rows @ we1.T, rows @ we3.T
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        hidden = act * up
+        grad_y = g64[token] if score_before_experts else g64[token] * score
+        grad_hidden = grad_y @ we2
+        grad_gate = grad_hidden * up * sig * (1 + gate * (1 - sig))
+        grad_up = grad_hidden * act
+        if weight_grads:
+            dws[0][i], dws[1][i], dws[2][i] = grad_gate.T @ rows, grad_y.T @ hidden, grad_up.T @ rows
+        grad_rows = grad_gate @ we1 + grad_up @ we3
+        if score_before_experts:
+            dx.index_add_(0, token, grad_rows * score)
+            dscores[token, choice] = (grad_rows * x64[token]).sum(1)
+        else:
+            dx.index_add_(0, token, grad_rows)
+            dscores[token, choice] = (g64[token] * (hidden @ we2.T)).sum(1)
+    return dx, dscores, dws[0], dws[1], dws[2]
 
 
 def layout_oracle_forward(

@@ -283,6 +283,15 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
             # Tokens per rank per MoE call: the microbatch (CP splits the sequence).
             tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp
             reserve_tokens(swapped[0][1].experts.ep_group, tokens)
+            if cfg.tuning != "off":
+                from torchtitan.config import TORCH_DTYPE_MAP
+
+                from titan_uniep.tuning.selection import configure_tuning
+
+                # EP implies FSDP in TorchTitan, so the MoE layers see the FSDP compute dtype.
+                configure_tuning(swapped[0][1].experts.ep_group, cfg.tuning, cfg.tuning_cache,
+                                 moe_modules=[moe for _, moe in swapped], num_tokens=tokens,
+                                 dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
         model.uniep_guard = _install_guard(model, swapped, cfg, parallel_dims, job_config)
         logger.info(
             "UniEP: %d MoE layers on schedule %r (EP degree %d)", len(swapped), cfg.schedule, parallel_dims.ep

@@ -1,0 +1,187 @@
+"""The measured search's decisions, without a GPU: which candidates the model's
+ranking yields (a fake model and space: these tests must not depend on the
+model's numbers), which measured point is cached, the alternating timing
+order, and the MoE shapes of a train config."""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_uniep import timing, tune
+from titan_uniep.params import default_params
+
+REPO = Path(__file__).resolve().parents[1]
+LAYER = tune.MoELayer("layer", 4096, 2048, 768, 128, 8)
+
+
+@dataclass(frozen=True)
+class FakeShape:
+    tokens: int
+    dim: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    ep_size: int
+    dtype_bytes: int = 2
+
+
+def _field(kind, stage, order_key=None):
+    return SimpleNamespace(kind=kind, stage=stage, order_key=order_key)
+
+
+@pytest.fixture
+def fake_model(monkeypatch):
+    """A space of a few fields and a model that ranks the points in the given order."""
+    space = types.ModuleType("titan_uniep.tuning.space")
+    space.LayerShape = FakeShape
+    space.FIELDS = {
+        "block_m": _field("schedule", "all"),
+        "dispatch_programs": _field("schedule", "dispatch"),
+        "fc2_block_n": _field("schedule", "fc2"),
+        "fc1_block_k": _field("numerics", "fc1"),
+        "combine": _field("mixed", "combine", lambda v: v == "presum"),
+        "da_num_warps": _field("schedule", "da"),
+        "timeout_s": _field("fixed", "all"),
+    }
+    space.points, space.times = [], None
+    space.enumerate_points = lambda shape, numerics, hw: iter(space.points)
+    space.feasible = lambda point, shape, hw: "too big" if point.fc2_block_n == 16 else None
+    model = types.ModuleType("titan_uniep.tuning.model")
+
+    def predict(shape, stats, world, params, hw, schedule):
+        return SimpleNamespace(forward_total=float(params.fc2_block_n), backward_total=float(params.da_num_warps),
+                               forward={}, backward={})
+
+    def rank(shape, stats, world, points, hw, schedule):  # the given order, or space.times
+        times = space.times or range(1, len(space.points) + 1)
+        return [(p, SimpleNamespace(forward_total=float(t), backward_total=float(t))) for p, t in zip(points, times)]
+
+    model.predict = predict
+    model.rank = rank
+    monkeypatch.setitem(sys.modules, "titan_uniep.tuning.space", space)
+    monkeypatch.setitem(sys.modules, "titan_uniep.tuning.model", model)
+    return space
+
+
+def test_candidates_are_the_default_then_the_best_distinct_projected_points(fake_model):
+    base = default_params(1, hidden=768)
+    fake_model.points = [
+        base.replace(fc2_block_n=256, da_num_warps=8),  # the backward field is dropped for the forward
+        base.replace(fc2_block_n=256),  # the same forward point again
+        base.replace(fc2_block_n=16),  # infeasible
+        base.replace(fc1_block_k=32, dispatch_programs=32),  # numerics field reset: dispatch only
+        base.replace(combine="presum"),  # changes bits: projects onto the default, a repeat
+        base.replace(combine="staged", timeout_s=5.0),  # staged keeps the bits; timeouts are never tuned
+        base.replace(block_m=64),
+    ]
+    options = tune.SearchOptions(top=3)
+    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", options, None)]
+    assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=32),
+                   base.replace(combine="staged")]
+    got = [p for p, _ in tune.candidates(LAYER, None, 1, "backward", options, None)]
+    assert got == [base, base.replace(da_num_warps=8), base.replace(dispatch_programs=32),
+                   base.replace(block_m=64)]
+    numerics = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=9, numerics=True),
+                                              None)]
+    assert base.replace(fc1_block_k=32, dispatch_programs=32) in numerics and base.replace(combine="presum") in numerics
+
+
+def test_of_points_the_model_cannot_tell_apart_the_simplest_is_measured(fake_model):
+    base = default_params(1, hidden=768)
+    fake_model.points = [base.replace(fc2_block_n=256, dispatch_programs=32, block_m=64),
+                         base.replace(fc2_block_n=256, dispatch_programs=32),
+                         base.replace(fc2_block_n=256),  # the simplest of the tie
+                         base.replace(dispatch_programs=64, block_m=64),
+                         base.replace(dispatch_programs=16)]
+    fake_model.times = [2.0, 2.0, 2.001, 3.0, 4.0]
+    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=2), None)]
+    assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=64, block_m=64)]
+
+
+def test_pick_takes_the_fastest_point_with_the_default_bits():
+    measured = {"default": 10.0, "numerics": 7.0, "broken": 7.5, "good": 8.0, "better_but_failed": None, "tie": 9.9}
+    kinds = {"numerics": (False, False), "broken": (False, True), "good": (True, True), "tie": (True, True)}
+    asked = []
+
+    def same_bits(name):
+        asked.append(name)
+        return kinds[name]
+
+    chosen, notes, violations = tune.pick(measured, list(measured), "default", 0.02, same_bits)
+    assert chosen == "good" and asked == ["numerics", "broken", "good"]
+    assert notes == ["numerics: 1.429x faster but changes bits (not cached)"]
+    assert violations == ["broken: a schedule point whose bits differ from the default's"]
+    # Within min_gain of the default (9.9 vs 10.0): the default stays, nothing is verified.
+    asked.clear()
+    assert tune.pick({"default": 10.0, "tie": 9.9}, ["default", "tie"], "default", 0.02, same_bits)[0] == "default"
+    assert asked == []
+    # Every faster point changes bits: the default.
+    chosen, notes, _ = tune.pick({"default": 10.0, "numerics": 7.0}, ["default", "numerics"], "default", 0.02,
+                                 same_bits)
+    assert chosen == "default" and len(notes) == 1
+    assert tune.pick({"default": 5.0, "good": 8.0}, ["default", "good"], "default", 0.0, same_bits)[0] == "default"
+
+
+def test_changed_fields_are_the_cache_form_of_a_point():
+    base = default_params(2, hidden=768)
+    point = base.replace(fc2_block_n=256, local_first=True)
+    assert tune.changed_fields(point, base) == {"fc2_block_n": 256, "local_first": True}
+    assert base.replace(**tune.changed_fields(point, base)) == point
+    assert tune.label(base, base) == "default" and tune.label(point, base) == "local_first=True,fc2_block_n=256"
+
+
+def test_alternating_rounds_build_each_path_alone_and_drop_a_failing_one(monkeypatch):
+    built, timed, returned, problems, alive = [], [], {}, [], []
+
+    class TimedPath:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self):
+            return None
+
+    def builder(name):
+        def build():
+            if any(ref() is not None for ref in alive):
+                problems.append(f"{name} built while an earlier path was alive")
+            built.append(name)
+            path = TimedPath(name)
+            alive.append(weakref.ref(path))
+            if name == "broken":
+                raise RuntimeError("no kernel for this point")
+            return path
+        return build
+
+    def fake_time_ms(fn, warmup, reps, group=None):
+        timed.append(fn.name)
+        ms = {"a": 1.0, "b": 2.0, "c": 3.0}[fn.name] + len(timed) / 100
+        returned.setdefault(fn.name, []).append(ms)
+        return ms
+
+    monkeypatch.setattr(timing, "time_ms", fake_time_ms)
+    errors, seen = [], []
+    out = timing.time_alternating({n: builder(n) for n in ("a", "broken", "b", "c")}, warmup=1, reps=1, rounds=3,
+                                  on_error=lambda name, trace: errors.append((name, trace.splitlines()[-1])),
+                                  after_each=lambda name, ms: seen.append(name))
+    assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert built.count("b") == 3 and built.count("broken") == 1, built
+    assert problems == []
+    assert errors == [("broken", "RuntimeError: no kernel for this point")]
+    assert out["broken"] is None
+    assert all(out[name] == sorted(values)[1] for name, values in returned.items())
+    assert seen.count("broken") == 1 and len(seen) == 10
+
+
+def test_config_layers_reads_the_moe_shape_of_a_train_config():
+    layers, ep = tune.config_layers(str(REPO / "train_configs" / "qwen3_30b_a3b_4l_uniep.toml"))
+    assert ep == 2
+    assert [(l.dims, l.score_before_experts, l.dtype) for l in layers] == [
+        ((2 * 4096, 2048, 768, 128, 8), False, torch.bfloat16)]

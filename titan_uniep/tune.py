@@ -1,0 +1,564 @@
+"""Measured search of UniEP's kernel parameters per MoE layer shape; writes the tuning cache.
+
+    python -m titan_uniep.tune --shape qwen3_1gpu --shape 8192,2880,1440,64,4      # one GPU: EP 1
+    torchrun --nproc_per_node 2 -m titan_uniep.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml
+
+For each layer shape (``--shape``: a ``titan_uniep.shapes`` name or
+``T,D,H,E,K`` with ``T`` tokens per rank; ``--config``: every MoE shape the
+train config builds, at its tokens per rank ``local_batch_size * seq_len /
+context_parallel_degree``), per direction:
+
+1. the analytic model (``tuning.model``, calibrated constants with
+   ``--constants``) ranks the grid of ``tuning.space`` by the direction's
+   predicted time; the first ``--top`` distinct points, projected on the
+   fields that direction reads and on the schedule fields (unless
+   ``--numerics``), and the shipped default are the candidates;
+2. each candidate is measured on the real path on this EP group (the
+   process group of the launch: plain python is EP 1): ``moe_forward``
+   saving h1 | h3, as the custom op runs it, and ``moe_backward`` reading
+   them, each point on a workspace built with it, in ``--rounds`` rounds of
+   alternating order (``timing.time_alternating``), median of ``--reps``
+   calls of the slowest rank;
+3. the fastest point, if it beats the default by ``--min-gain``, must give
+   the default's bits on the measured inputs (forward output and h1 | h3,
+   every gradient); a point that does not is never cached (a schedule point
+   that does not is a broken contract: the tuner reports it and exits 1);
+   the next fastest is tried instead;
+4. the pick of both directions becomes one entry of the cache
+   (``tuning.cache``, ``--cache``, merged into the file by rank 0).
+
+A progress bar per shape counts the measurements. ``--numerics`` lets the
+candidates change summation-order fields too: they are measured and
+reported, but a point that changes bits is never cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .params import LayerParams, default_params
+from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from .shapes import layer_inputs, parse_shape
+from .timing import time_alternating
+from .tuning.cache import CacheEntry, CacheKey, default_cache_path, dtype_name, save
+
+__all__ = ["MoELayer", "SearchOptions", "config_layers", "main", "predictions", "routing_stats", "search_layer"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Which stages of tuning.space.FIELDS each direction's kernels read.
+DIRECTION_STAGES = {
+    "forward": {"all", "dispatch", "fc1", "fc2", "combine", "reduce"},
+    "backward": {"all", "dispatch", "reduce", "dh", "da", "wgrad"},
+}
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer shape to tune: ``tokens`` per rank, ``D``, ``H``, ``E``, ``K``."""
+
+    name: str
+    tokens: int
+    dim: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    score_before_experts: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        return self.tokens, self.dim, self.hidden, self.num_experts, self.top_k
+
+
+@dataclass
+class SearchOptions:
+    """How one shape is searched (the command line's options)."""
+
+    top: int = 4
+    numerics: bool = False
+    warmup: int = 3
+    reps: int = 10
+    rounds: int = 2
+    min_gain: float = 0.02
+    schedule: str = "fused"
+    constants: str = ""
+    progress: bool = True
+
+
+@dataclass
+class SearchResult:
+    """What one shape's search found: the entry to cache (None if refused),
+    the measured table per direction, and the problems it saw."""
+
+    layer: MoELayer
+    entry: CacheEntry | None
+    table: dict[str, list[dict]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+# ---- the model's side ------------------------------------------------------------------
+
+
+def layer_shape(layer: MoELayer, ep_size: int):
+    from .tuning.space import LayerShape
+
+    return LayerShape(tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden, num_experts=layer.num_experts,
+                      top_k=layer.top_k, ep_size=ep_size, dtype_bytes=torch.empty((), dtype=layer.dtype).element_size())
+
+
+def routing_stats(indices: torch.Tensor, num_experts: int, group: dist.ProcessGroup):
+    """The model's ``RoutingStats`` of every rank's ``indices`` (gathered: a collective)."""
+    from .tuning.model import RoutingStats
+
+    world = dist.get_world_size(group)
+    every = torch.empty(world * indices.shape[0], *indices.shape[1:], dtype=indices.dtype, device=indices.device)
+    dist.all_gather_into_tensor(every, indices.contiguous(), group=group)
+    return RoutingStats.from_indices(list(every.view(world, *indices.shape).cpu()), num_experts, world)
+
+
+def hardware(options: SearchOptions, device: torch.device):
+    """The model's constants: ``--constants`` (the calibration's file) or this GPU's uncalibrated ones."""
+    from .tuning.model import default_constants, load_constants
+
+    return load_constants(options.constants) if options.constants else default_constants(
+        torch.cuda.get_device_name(device))
+
+
+def predictions(layer: MoELayer, indices: torch.Tensor, group: dist.ProcessGroup,
+                points: dict[str, LayerParams | tuple[LayerParams, LayerParams]], constants: str = "",
+                schedule: str = "fused") -> dict | None:
+    """The model's prediction of each named point (one for both directions,
+    or a ``(forward, backward)`` pair), for reports: ``{"hardware": source,
+    name: {"forward": {stage: ms}, "backward": {...}, "forward_total": ms,
+    "backward_total": ms}}``; None in a tree without the tuning model. A
+    collective (it gathers the routing)."""
+    if importlib.util.find_spec("titan_uniep.tuning.model") is None:
+        return None
+    from .tuning.model import predict
+
+    world = dist.get_world_size(group)
+    stats = routing_stats(indices, layer.num_experts, group)
+    hw = hardware(SearchOptions(constants=constants), indices.device)
+    shape = layer_shape(layer, world)
+    out = {"hardware": hw.source}
+    for name, point in points.items():
+        fwd, bwd = point if isinstance(point, tuple) else (point, point)
+        forward = prediction_record(predict(shape, stats, world, fwd, hw, schedule=schedule))
+        backward = forward if bwd is fwd else prediction_record(predict(shape, stats, world, bwd, hw,
+                                                                        schedule=schedule))
+        out[name] = {"forward": forward["forward"], "forward_total": forward["forward_total"],
+                     "backward": backward["backward"], "backward_total": backward["backward_total"]}
+    return out
+
+
+def prediction_record(pred) -> dict:
+    return {"forward": {k: float(v) for k, v in pred.forward.items()},
+            "backward": {k: float(v) for k, v in pred.backward.items()},
+            "forward_total": float(pred.forward_total), "backward_total": float(pred.backward_total)}
+
+
+def project(point: LayerParams, default: LayerParams, direction: str, numerics: bool) -> LayerParams | None:
+    """``point`` with every field ``direction`` does not read (and, unless
+    ``numerics``, every value that may change bits: ``tuning.space`` kinds)
+    set back to the default's; None if the mix is not a valid point."""
+    from .tuning.space import FIELDS
+
+    changes = {}
+    for name, spec in FIELDS.items():
+        value, base = getattr(point, name), getattr(default, name)
+        if value == base or spec.kind == "fixed" or spec.stage not in DIRECTION_STAGES[direction]:
+            continue
+        if not numerics and (spec.kind == "numerics"
+                             or (spec.kind == "mixed" and spec.order_key(value) != spec.order_key(base))):
+            continue
+        changes[name] = value
+    try:
+        return default.replace(**changes)
+    except ValueError:
+        return None
+
+
+def ranked_points(layer: MoELayer, stats, world: int, options: SearchOptions, hw) -> list[tuple]:
+    """Every grid point of ``tuning.space`` with the model's prediction
+    (``[(params, prediction)]``), ranked once for both directions."""
+    from .tuning.model import rank
+    from .tuning.space import enumerate_points
+
+    shape = layer_shape(layer, world)
+    return list(rank(shape, stats, world, enumerate_points(shape, numerics=options.numerics, hw=hw), hw,
+                     schedule=options.schedule))
+
+
+# Predictions within this fraction of each other are a tie the model cannot break.
+TIE = 1e-3
+# At most this many points of one tie are looked at for the simplest one.
+TIE_SCAN = 256
+
+
+def candidates(layer: MoELayer, stats, world: int, direction: str, options: SearchOptions, hw,
+               ranked: list[tuple] | None = None) -> list[tuple]:
+    """``[(params, prediction)]``: the default, then the model's best
+    ``options.top`` distinct feasible points of ``direction``, projected
+    (``project``) from ``ranked`` (``ranked_points``, computed if None). Of
+    points whose predicted times tie (``TIE``), only the one that changes
+    the fewest fields is kept: measuring several points the model cannot
+    tell apart would spend the search on one guess."""
+    from .tuning.model import predict
+    from .tuning.space import feasible
+
+    shape = layer_shape(layer, world)
+    default = default_params(world, hidden=layer.hidden)
+    ranked = ranked if ranked is not None else ranked_points(layer, stats, world, options, hw)
+    chosen = [(default, predict(shape, stats, world, default, hw, schedule=options.schedule))]
+    seen = {default}
+    last_ms, scanned = None, 0
+    for params, pred in sorted(ranked, key=lambda item: _predicted_ms(item[1], direction)):
+        ms = _predicted_ms(pred, direction)
+        tie = last_ms is not None and abs(ms - last_ms) <= TIE * last_ms
+        if tie and scanned >= TIE_SCAN:
+            continue
+        if not tie and len(chosen) > options.top:
+            break
+        point = project(params, default, direction, options.numerics)
+        if point is None or point in seen or feasible(point, shape, hw) is not None:
+            continue
+        if tie:
+            scanned += 1
+            if len(changed_fields(point, default)) < len(changed_fields(chosen[-1][0], default)):
+                seen.add(point)
+                chosen[-1] = (point, pred)
+            continue
+        seen.add(point)
+        chosen.append((point, pred))
+        last_ms, scanned = ms, 0
+    return [(point, predict(shape, stats, world, point, hw, schedule=options.schedule)) for point, _ in chosen]
+
+
+# ---- the measured side -------------------------------------------------------------------
+
+
+def changed_fields(point: LayerParams, base: LayerParams) -> dict[str, object]:
+    """The fields of ``point`` that differ from ``base`` (the cache's form of a point)."""
+    return {f.name: getattr(point, f.name) for f in dataclasses.fields(LayerParams)
+            if getattr(point, f.name) != getattr(base, f.name)}
+
+
+def label(point: LayerParams, base: LayerParams) -> str:
+    changes = changed_fields(point, base)
+    return ",".join(f"{k}={v}" for k, v in changes.items()) if changes else "default"
+
+
+def pick(measured: dict[str, float | None], names: list[str], default_name: str, min_gain: float,
+         same_bits) -> tuple[str, list[str], list[str]]:
+    """The point to cache among ``names`` (measured ms, None: failed): the
+    fastest that beats the default by ``min_gain`` and for which
+    ``same_bits(name)`` is ``(True, _)``, else the default. Returns
+    ``(name, notes, violations)``: why faster points were passed over, and
+    schedule points whose bits differ (``same_bits`` gives ``(False, True)``
+    for those: a broken contract)."""
+    base = measured[default_name]
+    notes, violations = [], []
+    order = sorted((n for n in names if measured[n] is not None and n != default_name), key=lambda n: measured[n])
+    for name in order:
+        if measured[name] > base * (1.0 - min_gain):
+            break
+        equal, schedule_only = same_bits(name)
+        if equal:
+            return name, notes, violations
+        if schedule_only:
+            violations.append(f"{name}: a schedule point whose bits differ from the default's")
+        else:
+            notes.append(f"{name}: {base / measured[name]:.3f}x faster but changes bits (not cached)")
+    return default_name, notes, violations
+
+
+def equal_everywhere(pairs, group: dist.ProcessGroup, device) -> bool:
+    """Whether every ``(a, b)`` tensor pair is bitwise equal on every rank of ``group``."""
+    flag = torch.tensor([int(all(torch.equal(a, b) for a, b in pairs))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptions) -> SearchResult:
+    """Measure ``layer``'s candidates on ``group`` (every rank calls it) and
+    return the entry for the cache (module docstring). GPU only."""
+    from .tuning.space import keeps_bits
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the measured search times CUDA kernels: run it on a GPU (or use [uniep] tuning = "
+                           "\"cached\" with a cache tuned on one, or \"off\")")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if layer.num_experts % world:
+        raise ValueError(f"{layer.name}: {layer.num_experts} experts do not split over EP {world}")
+    inputs = layer_inputs(layer.dims, rank, world, dev, layer.dtype)
+    x, grad, scores, indices = (inputs[n] for n in ("x", "grad", "scores", "indices"))
+    weights = (inputs["w1l"], inputs["w2l"], inputs["w3l"])
+    sb = layer.score_before_experts
+    hw = hardware(options, dev)
+    stats = routing_stats(indices, layer.num_experts, group)
+    default = default_params(world, hidden=layer.hidden)
+    sizes = dict(num_tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden, num_experts=layer.num_experts,
+                 top_k=layer.top_k, dtype=layer.dtype, device=dev)
+    ranked = ranked_points(layer, stats, world, options, hw)
+    cands = {d: {label(p, default): (p, pred) for p, pred in candidates(layer, stats, world, d, options, hw, ranked)}
+             for d in ("forward", "backward")}
+    del ranked
+    workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
+
+    def workspace(point: LayerParams, direction: str):
+        # One per buffer-sizing choice (block_m, the combine mode's buffers), built with the point.
+        key = (direction, point.block_m, point.combine if direction == "forward" else "direct")
+        if key not in workspaces:
+            kind = Workspace if direction == "forward" else BackwardWorkspace
+            workspaces[key] = kind.for_group(group, **sizes, params=point)
+        return workspaces[key]
+
+    h13 = torch.empty(workspace(default, "forward").shape.slot_capacity, 2 * layer.hidden, dtype=layer.dtype,
+                      device=dev)
+
+    def forward(point):
+        return moe_forward(x, scores, indices, *weights, workspace=workspace(point, "forward"),
+                           schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13)
+
+    def backward(point):
+        return moe_backward(grad, x, scores, indices, *weights, workspace=workspace(point, "backward"),
+                            schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13)
+
+    def same_bits(direction: str, point: LayerParams) -> bool:
+        if direction == "forward":
+            h13.zero_()
+            want = (forward(default), h13.clone())
+            h13.zero_()
+            got = (forward(point), h13)
+        else:
+            forward(default)
+            want, got = backward(default), backward(point)
+        return equal_everywhere(zip(want, got), group, dev)
+
+    result = SearchResult(layer, None)
+    bar = _progress(sum(len(c) for c in cands.values()) * options.rounds, layer.name, options.progress and rank == 0)
+    picks = {}
+    try:
+        for direction, run in (("forward", forward), ("backward", backward)):
+            points = cands[direction]
+            if direction == "backward":
+                forward(default)  # h1 | h3 for the backward: every schedule point writes the default's
+
+            def failed(name, trace, direction=direction):
+                result.problems.append(f"{direction} {name} failed: {trace.strip().splitlines()[-1]}")
+
+            def measured(name, ms, direction=direction):
+                bar.update(1)
+                bar.set_postfix_str(f"{direction} {name[:40]}: {'failed' if ms is None else f'{ms:.3f} ms'}")
+
+            with torch.no_grad():
+                times = time_alternating({name: (lambda p=p: lambda: run(p)) for name, (p, _) in points.items()},
+                                         warmup=options.warmup, reps=options.reps, rounds=options.rounds,
+                                         group=group, on_error=failed, after_each=measured)
+                if times["default"] is None:
+                    raise RuntimeError(f"{layer.name}: the default point failed ({'; '.join(result.problems)})")
+                chosen, notes, violations = pick(
+                    times, list(points), "default", options.min_gain,
+                    lambda name: (same_bits(direction, points[name][0]),
+                                  keeps_bits(points[name][0], default) is None))
+            result.problems += [f"{direction} {note}" for note in notes]
+            result.violations += [f"{layer.name} {direction} {v}" for v in violations]
+            picks[direction] = chosen
+            result.table[direction] = [
+                {"point": name, "measured_ms": times[name], "predicted_ms": _predicted_ms(pred, direction),
+                 "picked": name == chosen} for name, (_, pred) in points.items()]
+    finally:
+        bar.close()
+        workspaces.clear()
+        torch.cuda.empty_cache()
+    if result.violations:
+        return result  # a broken contract: nothing of this shape is cached
+    rows = {d: {row["point"]: row for row in result.table[d]} for d in result.table}
+    result.entry = CacheEntry(
+        key=CacheKey.for_layer(gpu=torch.cuda.get_device_name(dev), ep_size=world, dtype=layer.dtype,
+                               num_tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden,
+                               num_experts=layer.num_experts, top_k=layer.top_k),
+        forward=changed_fields(cands["forward"][picks["forward"]][0], default),
+        backward=changed_fields(cands["backward"][picks["backward"]][0], default),
+        measured_ms={d: {"default": rows[d]["default"]["measured_ms"], "tuned": rows[d][picks[d]]["measured_ms"]}
+                     for d in rows},
+        predicted_ms={d: {"default": rows[d]["default"]["predicted_ms"], "tuned": rows[d][picks[d]]["predicted_ms"]}
+                      for d in rows},
+        tokens=layer.tokens, schedule=options.schedule, score_before_experts=sb,
+        candidates=sum(len(c) for c in cands.values()),
+    )
+    return result
+
+
+def _predicted_ms(pred, direction: str) -> float:
+    return float(pred.forward_total if direction == "forward" else pred.backward_total)
+
+
+class _NoBar:
+    """Stands in for tqdm where it is not installed (or not on rank 0)."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, name: str, show: bool):
+    if not show:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # datasets (TorchTitan's dependency) brings it; a bare environment may not have it
+        print(f"tuning {name}: {total} measurements (install tqdm for a progress bar)", flush=True)
+        return _NoBar()
+    return tqdm(total=total, desc=f"tune {name}", unit="run", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---- shapes of a train config -----------------------------------------------------------
+
+
+def config_layers(path: str) -> tuple[list[MoELayer], int]:
+    """Every distinct MoE layer shape of the train config at ``path``, at its
+    tokens per rank and activation dtype, and its EP degree. Builds the
+    model on the meta device (no memory), as the trainer does."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.moe.moe import MoE
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    # Importing this module imported titan_uniep, which registered the *_uniep train specs and flavors.
+    job = ConfigManager().parse_args(["--job.config_file", path])
+    spec = get_train_spec(job.model.name)
+    args = copy.deepcopy(spec.model_args[job.model.flavor])
+    args.update_from_config(job)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    tokens = job.training.local_batch_size * job.training.seq_len // max(1, job.parallelism.context_parallel_degree)
+    dtype = DTYPES[job.training.mixed_precision_param]
+    shapes = {}
+    for fqn, moe in ((fqn, m) for fqn, m in model.named_modules() if isinstance(m, MoE)):
+        num_experts, hidden, dim = moe.experts.w1.shape
+        layer = MoELayer(f"{job.model.flavor}:{fqn}", tokens, dim, hidden, num_experts, moe.router.top_k,
+                         moe.score_before_experts, dtype)
+        shapes.setdefault(dataclasses.replace(layer, name=""), layer)
+    if not shapes:
+        raise ValueError(f"--config {path}: model {job.model.name!r} flavor {job.model.flavor!r} has no MoE layers")
+    return list(shapes.values()), job.parallelism.expert_parallel_degree
+
+
+# ---- command line ---------------------------------------------------------------------
+
+
+def init_group() -> tuple[dist.ProcessGroup, torch.device]:
+    """The EP group of this launch: torchrun's world, or a one-rank group for plain python."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:  # a free port for the one-rank store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    return dist.group.WORLD, dev
+
+
+def print_result(res: SearchResult) -> None:
+    print(f"== {res.layer.name}: T={res.layer.tokens} D={res.layer.dim} H={res.layer.hidden} "
+          f"E={res.layer.num_experts} K={res.layer.top_k} {dtype_name(res.layer.dtype)}", flush=True)
+    for direction, rows in res.table.items():
+        print(f"| {direction} point | measured ms | model ms | |\n|---|---|---|---|")
+        for row in sorted(rows, key=lambda r: float("inf") if r["measured_ms"] is None else r["measured_ms"]):
+            ms = "failed" if row["measured_ms"] is None else f"{row['measured_ms']:.3f}"
+            print(f"| {row['point']} | {ms} | {row['predicted_ms']:.3f} | {'picked' if row['picked'] else ''} |")
+    for line in res.problems:
+        print(f"note: {line}")
+    for line in res.violations:
+        print(f"BITWISE CONTRACT BROKEN: {line}")
+    if res.entry is not None:
+        print(f"entry: forward {res.entry.forward or 'default'}, backward {res.entry.backward or 'default'}", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", action="append", default=[],
+                        help="a titan_uniep.shapes name or T,D,H,E,K (T tokens per rank); repeatable")
+    parser.add_argument("--config", default=None, help="tune every MoE shape of this train config (TOML)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="with --shape (default bf16)")
+    parser.add_argument("--score-before", action="store_true", help="with --shape: scores multiply the inputs")
+    parser.add_argument("--top", type=int, default=SearchOptions.top, help="model candidates per direction")
+    parser.add_argument("--numerics", action="store_true",
+                        help="also try fields that change the summation order (measured and reported, never cached "
+                             "when the bits differ)")
+    parser.add_argument("--warmup", type=int, default=SearchOptions.warmup)
+    parser.add_argument("--reps", type=int, default=SearchOptions.reps)
+    parser.add_argument("--rounds", type=int, default=SearchOptions.rounds, help="rounds of alternating order")
+    parser.add_argument("--min-gain", type=float, default=SearchOptions.min_gain,
+                        help="a point replaces the default only if at least this much faster (fraction)")
+    parser.add_argument("--schedule", choices=("fused", "sequential"), default="fused")
+    parser.add_argument("--constants", default="", help="the model's hardware constants (tuning.calibrate --out)")
+    parser.add_argument("--cache", default=None, help=f"the cache file to merge into (default {default_cache_path()})")
+    parser.add_argument("--json-out", default=None, help="append one JSON line per shape")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if bool(args.shape) == bool(args.config):
+        parser.error("give --shape (one or more) or --config, not both")
+    if args.top < 0 or args.rounds < 1 or args.reps < 1 or not 0 <= args.min_gain < 1:
+        parser.error("--top >= 0, --rounds >= 1, --reps >= 1 and 0 <= --min-gain < 1")
+    group, dev = init_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if args.config:
+        layers, ep_degree = config_layers(args.config)
+        if ep_degree != world:
+            parser.error(f"--config {args.config} sets parallelism.expert_parallel_degree = {ep_degree}, but this "
+                         f"run has {world} process(es): run torchrun --nproc_per_node {ep_degree} -m titan_uniep.tune "
+                         "--config ...")
+    else:
+        dtype = DTYPES[args.dtype or "bf16"]
+        layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in map(parse_shape, args.shape)]
+    options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
+                            rounds=args.rounds, min_gain=args.min_gain, schedule=args.schedule,
+                            constants=args.constants, progress=not args.no_progress)
+    path = args.cache or default_cache_path()
+    results = []
+    for layer in layers:
+        start = time.monotonic()
+        res = search_layer(group, layer, options)
+        seconds = time.monotonic() - start
+        results.append(res)
+        if rank == 0:
+            print_result(res)
+            print(f"{layer.name}: searched in {seconds:.1f} seconds", flush=True)
+            if res.entry is not None:  # after every shape: a run cut short keeps what it measured
+                save(path, [res.entry])
+                print(f"wrote the entry of {layer.name} into {path}", flush=True)
+            if args.json_out:
+                with open(args.json_out, "a") as f:
+                    f.write(json.dumps({"shape": layer.name, "dims": layer.dims, "world": world, "seconds": seconds,
+                                        "table": res.table, "problems": res.problems,
+                                        "violations": res.violations,
+                                        "entry": res.entry and res.entry.to_json()}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    if any(res.violations for res in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
