@@ -125,7 +125,8 @@ def assert_close_to_references(got, w, group, score_before, where):
         assert g.dtype == ref.dtype and g.shape == ref.shape, f"{where} {name}: {g.dtype} {tuple(g.shape)}"
         assert not torch.isnan(g).any(), f"{where} {name}: NaN (an element the kernels never wrote)"
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} {name} vs reference: {m}")
-        torch.testing.assert_close(g.double(), ex, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where} {name} vs float64: {m}")
+        torch.testing.assert_close(g.double(), ex, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{where} {name} vs float64: {m}")
 
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
@@ -172,6 +173,15 @@ def test_fake_implementations_give_the_real_shapes_without_touching_a_workspace(
                           (*out, *grads)):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype), f"{name}: fake {f.shape} " \
             f"{f.stride()} {f.dtype}, real {r.shape} {r.stride()} {r.dtype}"
+
+
+def test_interpreted_op_refuses_bf16_naming_the_fix(group, poisoned_memory):
+    w = make_layer(5, 4, 2, seed=41)
+    bf16 = [w[k].bfloat16() for k in ("x", "scores", "indices", "w1", "w2", "w3")]
+    bf16[1], bf16[2] = w["scores"], w["indices"]
+    with pytest.raises(ValueError, match=r"bf16 .*mixed_precision_param = \"float32\""):
+        torch.ops.uniep.moe_experts(*bf16, group.group_name, "fused", False)
+    assert not op._workspaces
 
 
 def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory):
