@@ -41,6 +41,9 @@ else
     # starting a thread per core and thrashing.
     threads=$(( $(nproc) / NGPU ))
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+    # UniEP's kernel schedules (EP = 1) run in Triton's interpreter, which must be
+    # chosen before anything imports Triton (TorchTitan does, at start-up).
+    export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 fi
 
 # localhost:0 lets the c10d rendezvous pick a free port, so runs never collide.

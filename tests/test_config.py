@@ -7,6 +7,8 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
@@ -82,11 +84,28 @@ def _dims(ep=2, tp=1, etp=1, world=2):
     return ParallelDims(dp_shard=-1, dp_replicate=1, cp=1, tp=tp, pp=1, ep=ep, etp=etp, world_size=world)
 
 
-def test_enable_without_expert_parallelism_names_the_degree(tmp_path):
-    job = _job(tmp_path)
-    spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
-    with pytest.raises(ValueError, match=r"expert_parallel_degree > 1 \(got 1\)"):
-        spec.parallelize_fn(model, _dims(ep=1), job)
+def test_expert_parallel_degree_1_is_served_with_a_one_rank_group(tmp_path):
+    """EP = 1: TorchTitan shards no experts; the hook gives every MoE layer's
+    experts this rank's own group (here the whole one-process world), and the
+    kernel schedules pass validation also without CUDA (Triton's interpreter)."""
+    from titan_uniep.moe import UniEPGroupedExperts
+    from titan_uniep.parallelize import moe_layers, one_rank_group
+
+    job = _job(tmp_path, "qwen3_uniep", "debugmodel_moe_tiny", extra='schedule = "fused"\n')
+    spec, model = _model("qwen3_uniep", "debugmodel_moe_tiny", job)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = spec.parallelize_fn(model, _dims(ep=1, world=1), job)  # TorchTitan's own parallelize inside
+        layers = moe_layers(model)
+        assert layers
+        for name, moe in layers:
+            assert isinstance(moe.experts, UniEPGroupedExperts), name
+            assert moe.experts.ep_group is one_rank_group(), name
+            assert moe.experts.ep_group.size() == 1 and moe.experts.schedule == "fused", name
+            assert not isinstance(moe.experts.w1, DTensor), f"{name}: experts sharded at EP = 1"
+    finally:
+        one_rank_group.cache_clear()
+        dist.destroy_process_group()
 
 
 def test_expert_tensor_parallelism_is_refused(tmp_path):

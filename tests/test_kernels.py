@@ -164,7 +164,11 @@ def test_fused_matches_sequential_bitwise_under_edge_routing(case, presum):
     score_before = case in ("empty_experts", "one_local_expert")
     combine = "staged" if case in ("skewed_one_expert", "rank_with_no_tokens") else "direct"
     combine = "presum" if presum else combine
-    seq, fus = run_both(w, score_before=score_before, params=interpreter_params(combine=combine))
+    params = interpreter_params(combine=combine)
+    num_tokens, top_k = [x.shape[0] for x in w["xs"]], w["indices"][0].shape[1]
+    ws = Workspace.simulated(2, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=w["w1"].shape[0],
+                             top_k=top_k, dtype=torch.float32, params=params)
+    seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)  # poisons ws before each run
     assert_correct(w, seq, fus, score_before=score_before)
 
 

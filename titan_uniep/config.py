@@ -24,9 +24,10 @@ TUNING_MODES = get_args(TuningMode)
 class UniEP:
     enable: bool = False
     """Run every MoE block's expert-parallel path (dispatch, expert FFN,
-    combine and their backward) through UniEP. Needs
-    ``parallelism.expert_parallel_degree > 1`` and a ``*_uniep`` model name
-    (``deepseek_v3_uniep``, ``qwen3_uniep``, ``llama4_uniep``). With
+    combine and their backward) through UniEP. Needs a ``*_uniep`` model name
+    (``deepseek_v3_uniep``, ``qwen3_uniep``, ``llama4_uniep``); any
+    ``parallelism.expert_parallel_degree`` (at 1, each GPU runs all experts on
+    its own tokens with the same kernels, no peer traffic). With
     ``enable = false`` a ``*_uniep`` model trains exactly like its base model."""
 
     schedule: ScheduleName = "reference"
@@ -35,7 +36,9 @@ class UniEP:
     one matmul per expert; runs anywhere and is what the kernels are tested against.
     ``"sequential"``: UniEP's Triton kernels, all communication then all
     compute. ``"fused"``: the same kernels with communication and GEMM tiles
-    overlapped (GPU only); bitwise equal to ``"sequential"``."""
+    overlapped; bitwise equal to ``"sequential"``. Both need CUDA GPUs,
+    except at ``expert_parallel_degree = 1``, where without CUDA they run in
+    Triton's interpreter (correct, and slow: tests)."""
 
     guard: Literal["off", "check", "strict"] = "off"
     """Runtime check of the bitwise contract. ``"off"``: none. ``"check"``:

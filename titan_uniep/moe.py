@@ -140,7 +140,7 @@ class UniEPGroupedExperts(GroupedExperts):
         if self.ep_group is None:
             raise RuntimeError(
                 f"{self.layer_name}: UniEP experts have no EP group; they must be parallelized by "
-                "titan_uniep.parallelize (set parallelism.expert_parallel_degree > 1)"
+                "titan_uniep.parallelize (a *_uniep model with [uniep] enable = true)"
             )
         w1, w2, w3 = self._local_weights()
         run = get_schedule(self.schedule)

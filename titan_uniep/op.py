@@ -1,22 +1,30 @@
-"""UniEP's kernel schedules as a ``torch.library`` op with registered autograd.
+"""UniEP's kernel schedules as ``torch.library`` ops with registered autograd.
 
 ``torch.ops.uniep.moe_experts`` runs one MoE layer's routed-expert path
 (dispatch, expert FFN, combine) with the ``"sequential"`` or ``"fused"``
-kernels of ``titan_uniep.runtime`` on real EP (one process per GPU). Being a
+kernels of ``titan_uniep.runtime``: real EP on CUDA (one process per GPU;
+a one-rank group at EP = 1, no peer traffic), and on a machine without CUDA a
+one-rank group only, whose workspace is a ``Workspace.simulated(1)`` run by
+Triton's interpreter (CI tests of the op and of EP = 1 training). Being a
 custom op makes it opaque to ``torch.compile`` (the rest of the model still
 compiles) and lets selective activation checkpointing save its output
 (``titan_uniep.parallelize`` adds it to TorchTitan's SAC save list).
 
-Backward: the backward kernels of ``titan_uniep.runtime.backward`` with
-the same schedule as the forward. The op's second output is each receive
-slot's h1 | h3 (``slot_capacity x 2H`` in the activation dtype, written by
-the forward megakernel), which autograd keeps for the backward, as
-TorchTitan's keeps h1 and h3 of its grouped GEMMs; besides it the op saves
-only its inputs. The backward re-dispatches x next to the output gradient
-(for dW1/dW3) and reads h1 and h3 instead of recomputing fc1 (the score
-gradient needs no fc2: ``<dOut, y> = <dOut @ w2, h>``). Every gradient is
-bitwise equal across ``sequential`` and ``fused``; the fused backward does
-not synchronise with the host (errors are polled lazily).
+Backward: ``torch.ops.uniep.moe_experts_backward``, its own custom op (the
+backward kernels of ``titan_uniep.runtime.backward``, same schedule as the
+forward), which the registered autograd formula calls. Both ops have fake
+implementations that compute shapes only, so ``torch.compile`` (AOT
+autograd) traces forward and backward without touching a workspace or a
+real tensor; the kernels run only when the compiled graph runs. The forward's
+second output is each receive slot's h1 | h3 (``slot_capacity x 2H`` in the
+activation dtype, written by the forward megakernel), which autograd keeps
+for the backward, as TorchTitan's keeps h1 and h3 of its grouped GEMMs;
+besides it the op saves only its inputs. The backward re-dispatches x next
+to the output gradient (for dW1/dW3) and reads h1 and h3 instead of
+recomputing fc1 (the score gradient needs no fc2: ``<dOut, y> = <dOut @ w2,
+h>``). Every gradient is bitwise equal across ``sequential`` and ``fused``;
+the fused backward does not synchronise with the host (errors are polled
+lazily).
 
 Workspaces: one forward and one backward workspace per (EP group, layer
 shape, dtype, device), built on first use (a collective: every EP rank
@@ -30,13 +38,23 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import triton.language as tl
 from torch.distributed.distributed_c10d import _resolve_process_group
+from triton.runtime.interpreter import InterpretedFunction
 
 from titan_uniep.layout import slot_capacity
-from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from titan_uniep.params import interpreter_params
+from titan_uniep.runtime import (
+    BackwardWorkspace,
+    Workspace,
+    moe_backward,
+    moe_forward,
+    simulated_moe_backward,
+    simulated_moe_forward,
+)
 from titan_uniep.tuning.selection import select_params
 
-__all__ = ["moe_experts", "reserve_tokens", "workspace_for"]
+__all__ = ["moe_experts", "moe_experts_backward", "reserve_tokens", "workspace_for"]
 
 _workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
@@ -65,11 +83,15 @@ def workspace_for(
     num_tokens = x.shape[0]
     if ws is None:
         capacity = max(num_tokens, _reserved_tokens.get(group_name, 0), 1)
-        layer = dict(num_tokens=capacity, dim=x.shape[1], hidden=w1.shape[1], num_experts=num_experts, top_k=top_k,
-                     dtype=x.dtype, device=x.device)
-        # [uniep] tuning's point for this layer (None: the default); a collective when tuning is on.
-        params = select_params(group, **layer, backward=backward)
-        ws = (BackwardWorkspace if backward else Workspace).for_group(group, **layer, params=params)
+        kind = BackwardWorkspace if backward else Workspace
+        sizes = dict(num_tokens=capacity, dim=x.shape[1], hidden=w1.shape[1], num_experts=num_experts, top_k=top_k,
+                     dtype=x.dtype)
+        if x.device.type == "cuda":
+            # [uniep] tuning's point for this layer (None: the default); a collective when tuning is on.
+            params = select_params(group, **sizes, device=x.device, backward=backward)
+            ws = kind.for_group(group, device=x.device, params=params, **sizes)
+        else:
+            ws = _interpreted_workspace(kind, group, x.device, sizes)
         _workspaces[key] = ws
     elif num_tokens > (capacity := getattr(ws, "inner", ws).shape.token_capacity):
         # Growing is a collective; a single rank discovering it mid-step
@@ -80,6 +102,32 @@ def workspace_for(
             "or Workspace.ensure_capacity(N) on every rank between steps."
         )
     return ws
+
+
+def _interpreted_workspace(kind, group: dist.ProcessGroup, device: torch.device, sizes: dict):
+    """The workspace of a one-rank group without CUDA: every buffer of the one
+    rank in this process (``simulated(1)``; no peer, no symmetric memory), with
+    the interpreter tests' small tiles (the interpreter runs every program in
+    Python; the default tiles and grid are sized for a GPU's SMs)."""
+    world = dist.get_world_size(group)
+    if world != 1:
+        raise ValueError(
+            f"UniEP's kernel schedules (sequential, fused) need CUDA GPUs for an EP group of {world} ranks; "
+            "without CUDA they run (in Triton's interpreter) only at parallelism.expert_parallel_degree = 1. "
+            "Set [uniep] schedule = \"reference\" on CPU, or expert_parallel_degree = 1."
+        )
+    if not isinstance(tl.standard.cdiv, InterpretedFunction):
+        raise RuntimeError(
+            "UniEP's kernel schedules without CUDA need Triton's interpreter, chosen before Triton is first "
+            "imported: set TRITON_INTERPRET=1 in the environment (./run_train.sh does on a machine without CUDA)."
+        )
+    if sizes["dtype"] == torch.bfloat16:
+        raise ValueError(
+            "UniEP's kernel schedules without CUDA run in Triton's interpreter, whose bf16 dot products are "
+            "wrong: compute in float32 (training.mixed_precision_param = \"float32\") or use [uniep] schedule = "
+            "\"reference\"."
+        )
+    return kind.simulated(1, device=device, params=interpreter_params(), **sizes)
 
 
 @torch.library.custom_op("uniep::moe_experts", mutates_args=())
@@ -98,8 +146,17 @@ def moe_experts(
     and the receive slots' h1 | h3 ``(slot_capacity, 2H)`` (for the backward only)."""
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1])
     h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
+    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    if ws.is_simulated:  # a one-rank group without CUDA: the world of one rank, in place
+        out = x.new_empty(1, *x.shape)
+        simulated_moe_forward(
+            x.contiguous().unsqueeze(0), top_scores.unsqueeze(0), selected_experts_indices.unsqueeze(0),
+            w1.unsqueeze(0), w2.unsqueeze(0), w3.unsqueeze(0), schedule=schedule,
+            score_before_experts=score_before_experts, workspace=ws, out=out, saved_h13=h13.unsqueeze(0),
+        )
+        return out[0], h13
     out = moe_forward(
-        x, top_scores, selected_experts_indices, w1.contiguous(), w2.contiguous(), w3.contiguous(),
+        x, top_scores, selected_experts_indices, w1, w2, w3,
         workspace=ws, schedule=schedule, score_before_experts=score_before_experts, saved_h13=h13,
     )
     return out, h13
@@ -120,6 +177,46 @@ def _moe_experts_fake(x, top_scores, selected_experts_indices, w1, w2, w3, group
     return torch.empty_like(x), x.new_empty(rows, 2 * w1.shape[1])
 
 
+@torch.library.custom_op("uniep::moe_experts_backward", mutates_args=())
+def moe_experts_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    selected_experts_indices: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    saved_h13: torch.Tensor,
+    group_name: str,
+    schedule: str,
+    score_before_experts: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, dscores fp32, dw1, dw2, dw3)`` of ``moe_experts`` given the
+    output gradient and the forward's h1 | h3 (see titan_uniep.runtime.backward);
+    every one contiguous, in the shape of its input."""
+    ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], backward=True)
+    weights = (w1.contiguous(), w2.contiguous(), w3.contiguous())
+    if ws.is_simulated:  # a one-rank group without CUDA
+        (grads,) = simulated_moe_backward(
+            grad_out.contiguous().unsqueeze(0), x.contiguous().unsqueeze(0), top_scores.unsqueeze(0),
+            selected_experts_indices.unsqueeze(0), *(w.unsqueeze(0) for w in weights), schedule=schedule,
+            score_before_experts=score_before_experts, workspace=ws, saved_h13=saved_h13.unsqueeze(0),
+        )
+    else:
+        grads = moe_backward(
+            grad_out.contiguous(), x, top_scores, selected_experts_indices, *weights, workspace=ws,
+            schedule=schedule, score_before_experts=score_before_experts, saved_h13=saved_h13,
+        )
+    return tuple(grads)
+
+
+@moe_experts_backward.register_fake
+def _moe_experts_backward_fake(grad_out, x, top_scores, selected_experts_indices, w1, w2, w3, saved_h13, group_name,
+                               schedule, score_before_experts):
+    return (x.new_empty(x.shape), top_scores.new_empty(top_scores.shape, dtype=torch.float32),
+            w1.new_empty(w1.shape), w2.new_empty(w2.shape), w3.new_empty(w3.shape))
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before = inputs
     ctx.save_for_backward(x, top_scores, indices, w1, w2, w3, output[1])
@@ -131,14 +228,12 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.score_before = score_before
 
 
-def _backward(ctx, grad_out: torch.Tensor, _grad_h13: torch.Tensor | None):
+def _backward(ctx, grad_out: torch.Tensor | None, _grad_h13: torch.Tensor | None):
     x, top_scores, indices, w1, w2, w3, h13 = ctx.saved_tensors
     if grad_out is None:  # the output did not reach the loss
         grad_out = torch.zeros_like(x)
-    ws = workspace_for(ctx.group_name, x, w1, indices.shape[1], backward=True)
-    dx, dscores, dw1, dw2, dw3 = moe_backward(
-        grad_out.contiguous(), x, top_scores, indices, w1.contiguous(), w2.contiguous(), w3.contiguous(),
-        workspace=ws, schedule=ctx.schedule, score_before_experts=ctx.score_before, saved_h13=h13,
+    dx, dscores, dw1, dw2, dw3 = torch.ops.uniep.moe_experts_backward(
+        grad_out, x, top_scores, indices, w1, w2, w3, h13, ctx.group_name, ctx.schedule, ctx.score_before,
     )
     return dx, dscores.to(top_scores.dtype), None, dw1, dw2, dw3, None, None, None
 

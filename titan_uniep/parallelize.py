@@ -3,14 +3,16 @@
 ``wrap_parallelize_fn(base)`` returns a parallelize_fn that, when
 ``[uniep] enable = true``:
 
-1. validates the job (EP > 1, no ETP/TP on MoE, a model with MoE layers, a
-   schedule this machine can run; for the kernel schedules, an EP group on
+1. validates the job (no ETP/TP on MoE, a model with MoE layers, a schedule
+   this machine can run; for the kernel schedules at EP > 1, an EP group on
    one host with peer access) with errors that name the key and the fix;
 2. swaps each ``MoE`` / ``GroupedExperts`` instance's class for UniEP's
    (parameters, buffers and FQNs stay the very same objects, so FSDP,
    activation checkpointing and checkpoints interchange with a baseline run);
 3. runs the base parallelize_fn with ``UniEPExpertParallel`` as the plan that
-   TorchTitan's ``apply_moe_ep_tp`` puts on ``moe.experts``;
+   TorchTitan's ``apply_moe_ep_tp`` puts on ``moe.experts``; at EP = 1, where
+   TorchTitan shards no experts, each rank's experts get a one-rank group
+   (all experts, this rank's tokens, no peer traffic);
 4. installs the bitwise guard if ``[uniep] guard`` asks for it.
 
 With ``enable = false`` it calls the base parallelize_fn and nothing else.
@@ -19,6 +21,7 @@ With ``enable = false`` it calls the base parallelize_fn and nothing else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 from dataclasses import dataclass
@@ -84,12 +87,6 @@ def validate(cfg: UniEP, model: nn.Module | None, parallel_dims, job_config) -> 
             "layers. Pick an MoE flavor (e.g. deepseek_v3 'debugmodel', qwen3 'debugmodel_moe', llama4 "
             "'debugmodel') or set [uniep] enable = false."
         )
-    if parallel_dims.ep <= 1:
-        raise ValueError(
-            f"[uniep] enable = true needs parallelism.expert_parallel_degree > 1 (got {parallel_dims.ep}): "
-            "UniEP replaces the expert-parallel exchange. Set parallelism.expert_parallel_degree to the "
-            "number of GPUs that share the experts (e.g. 2), or set [uniep] enable = false."
-        )
     if parallel_dims.etp > 1:
         raise ValueError(
             f"[uniep] enable = true does not support parallelism.expert_tensor_parallel_degree > 1 "
@@ -114,10 +111,13 @@ def validate(cfg: UniEP, model: nn.Module | None, parallel_dims, job_config) -> 
             f"[uniep] schedule = {cfg.schedule!r} is not available in this build (available: "
             f"{', '.join(sorted(schedules))}). Use schedule = \"reference\"."
         )
-    if schedules[cfg.schedule] and not torch.cuda.is_available():
+    if schedules[cfg.schedule] and not torch.cuda.is_available() and parallel_dims.ep > 1:
+        # Without CUDA the kernels run in Triton's interpreter, on a one-rank group only.
         raise ValueError(
-            f"[uniep] schedule = {cfg.schedule!r} needs CUDA GPUs with peer access, and this machine has none. "
-            "Use schedule = \"reference\" on CPU."
+            f"[uniep] schedule = {cfg.schedule!r} needs CUDA GPUs with peer access at "
+            f"parallelism.expert_parallel_degree = {parallel_dims.ep}, and this machine has none. Use "
+            "schedule = \"reference\" on CPU (or expert_parallel_degree = 1, where the kernels run in "
+            "Triton's interpreter: correct, and slow)."
         )
 
 
@@ -184,6 +184,14 @@ def check_ep_gpus(cfg: UniEP, gpus: list[EPGPU]) -> None:
             f"(torch.cuda.can_device_access_peer), but it is missing for {where} on {gpus[0].host}. "
             f"{use_reference} (`nvidia-smi topo -p2p r` shows which GPUs can map each other.)"
         )
+
+
+@functools.cache
+def one_rank_group() -> dist.ProcessGroup:
+    """This rank's own process group (a collective the first time: every rank
+    creates every rank's group), the EP group of its experts at EP = 1."""
+    mine, _all = dist.new_subgroups(group_size=1)
+    return mine
 
 
 def _swap_to_uniep(model: nn.Module, cfg: UniEP) -> list[tuple[str, UniEPMoE]]:
@@ -265,15 +273,22 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
         if cfg is None or not cfg.enable:
             return base_parallelize_fn(model, parallel_dims, job_config)
         validate(cfg, model, parallel_dims, job_config)
-        if cfg.schedule != "reference":
+        if cfg.schedule != "reference" and parallel_dims.ep > 1:
             check_ep_gpus(cfg, _probe_ep_gpus(parallel_dims))
         swapped = _swap_to_uniep(model, cfg)
+        if parallel_dims.ep == 1:
+            # TorchTitan applies no EP plan at EP = 1 (FSDP, if any, all-gathers
+            # the experts with their block): each rank runs all of them.
+            for _name, moe in swapped:
+                moe.experts.ep_group = one_rank_group()
         sac_ops = _sac_save_list(base_parallelize_fn)
         if sac_ops is not None:
             # As TorchTitan does for its DeepEP ops: selective AC saves the
             # exchange's outputs instead of re-running it in backward.
             sac_ops.add(torch.ops._c10d_functional.all_gather_into_tensor.default)
             if cfg.schedule != "reference":
+                import titan_uniep.op  # noqa: F401  (registers torch.ops.uniep.moe_experts)
+
                 sac_ops.add(torch.ops.uniep.moe_experts.default)
         with _uniep_expert_parallel_plan():
             model = base_parallelize_fn(model, parallel_dims, job_config)

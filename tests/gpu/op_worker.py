@@ -1,0 +1,161 @@
+"""The custom op on ONE GPU at EP = 1: ``torch.ops.uniep.moe_experts`` and its
+backward op on a one-rank group (the op's real path: ``Workspace.for_group``,
+symmetric memory of one rank, no peer traffic), bf16.
+
+Launched by ``test_gpu_op.py`` as
+``torchrun --standalone --nproc_per_node 1 tests/gpu/op_worker.py``. Each check
+raises on failure; the worker prints ``OP WORKER OK`` at the end.
+
+1. eager: fused == sequential bitwise, forward and every gradient, close to
+   the float64 oracle (bf16 tolerance), with a reused workspace;
+2. no device-to-host sync in the fused forward + backward (sync debug mode "error");
+3. ``torch.compile`` (inductor, one graph) of a module whose compute is the
+   op: the eager bits, forward and every gradient, on two calls with new data;
+4. ``torch.compile`` (inductor, one graph) of a TorchTitan MoE swapped to
+   UniEP (router, shared expert, schedule "fused"): runs forward and
+   backward, close to eager (inductor rounds the router's own ops
+   differently, so only closeness is claimed there).
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from titan_uniep import op
+from titan_uniep.oracle import float64_moe_oracle
+
+DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 512, 384, 16, 4, 777
+GRADS = ("out", "dx", "dscores", "dw1", "dw2", "dw3")
+
+
+def inputs(seed, dev):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(TOKENS, DIM, generator=gen, device=dev).bfloat16()
+    scores = torch.rand(TOKENS, TOP_K, generator=gen, device=dev)
+    indices = torch.rand(TOKENS, EXPERTS, generator=gen, device=dev).argsort(1)[:, :TOP_K].contiguous()
+    grad = torch.randn(TOKENS, DIM, generator=gen, device=dev).bfloat16()
+    return x, scores, indices, grad
+
+
+def weights(dev):
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    w1 = (torch.randn(EXPERTS, HIDDEN, DIM, generator=gen, device=dev) * DIM**-0.5).bfloat16()
+    w3 = (torch.randn(EXPERTS, HIDDEN, DIM, generator=gen, device=dev) * DIM**-0.5).bfloat16()
+    w2 = (torch.randn(EXPERTS, DIM, HIDDEN, generator=gen, device=dev) * HIDDEN**-0.5).bfloat16()
+    return w1, w2, w3
+
+
+class OpLayer(torch.nn.Module):
+    """The routed experts as parameters; the forward is the op and nothing else."""
+
+    def __init__(self, w1, w2, w3, group_name, schedule):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (torch.nn.Parameter(w.clone()) for w in (w1, w2, w3))
+        self.group_name, self.schedule = group_name, schedule
+
+    def forward(self, x, scores, indices):
+        out, _h13 = torch.ops.uniep.moe_experts(x, scores, indices, self.w1, self.w2, self.w3, self.group_name,
+                                                self.schedule, False)
+        return out
+
+
+def run(layer, x, scores, indices, grad):
+    layer.zero_grad(set_to_none=True)
+    xx, ss = x.clone().requires_grad_(), scores.clone().requires_grad_()
+    out = layer(xx, ss, indices)
+    out.backward(grad)
+    return [out.detach(), xx.grad, ss.grad, layer.w1.grad, layer.w2.grad, layer.w3.grad]
+
+
+def check_float64(got, x, scores, indices, grad, w):
+    leaves = [t.double().requires_grad_() for t in (x, scores, *w)]
+    ref = float64_moe_oracle(leaves[0], leaves[1], indices, *leaves[2:], score_before_experts=False)
+    ref.backward(grad.double())
+    for name, g, exact in zip(GRADS, got, [ref.detach()] + [t.grad for t in leaves]):
+        scale = exact.abs().max().item()
+        torch.testing.assert_close(g.double(), exact, rtol=3e-2, atol=3e-2 * scale,
+                                   msg=lambda m: f"{name} vs float64: {m}")
+
+
+def main():
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    group = dist.group.WORLD
+    assert dist.get_world_size(group) == 1, "run with --nproc_per_node 1"
+    op.reserve_tokens(group, TOKENS)
+    w = weights(dev)
+    data = inputs(1, dev)
+
+    # 1. Eager: the two schedules' bits, and float64.
+    layers = {s: OpLayer(*w, group.group_name, s) for s in ("sequential", "fused")}
+    got = {s: run(layers[s], *data) for s in layers}
+    again = run(layers["fused"], *data)
+    for name, a, b, c in zip(GRADS, got["sequential"], got["fused"], again):
+        assert not torch.isnan(b).any(), f"{name}: NaN"
+        assert torch.equal(a, b), f"eager {name}: fused differs from sequential"
+        assert torch.equal(b, c), f"eager {name}: a second fused call differs"
+    check_float64(got["fused"], *data, w)
+    print("1. eager fused == sequential bitwise, close to float64", flush=True)
+
+    # 2. No host sync on the fused path, forward and backward.
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(layers["fused"], *data)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    print("2. fused forward + backward: no host sync", flush=True)
+
+    # 3. Compiled (inductor, one graph) == eager, bit for bit, on two calls.
+    compiled = torch.compile(OpLayer(*w, group.group_name, "fused"), fullgraph=True)
+    for seed in (1, 2):
+        batch = inputs(seed, dev)
+        eager = run(layers["fused"], *batch)
+        comp = run(compiled, *batch)
+        for name, a, b in zip(GRADS, eager, comp):
+            assert torch.equal(a, b), f"compiled {name} differs from eager (inputs {seed})"
+    print("3. torch.compile (inductor, fullgraph) of the op: eager bits, forward and every gradient", flush=True)
+
+    # 4. A TorchTitan MoE holding the op, compiled whole.
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from titan_uniep.config import UniEP
+    from titan_uniep.parallelize import _swap_to_uniep
+
+    torch.manual_seed(5)
+    args = MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=TOP_K, score_func="softmax", route_norm=True,
+                   score_before_experts=False)
+    base = MoE(args, dim=DIM, hidden_dim=HIDDEN).to(dev)
+    with torch.no_grad():
+        base.init_weights(init_std=0.02, buffer_device=dev)
+    base = base.bfloat16()
+    base.expert_bias.data = base.expert_bias.data.float()  # as TorchTitan keeps them
+    base.tokens_per_expert.data = base.tokens_per_expert.data.float()
+    x = torch.randn(1, TOKENS, DIM, device=dev).bfloat16()
+    results = []
+    for compile_it in (False, True):
+        moe = copy.deepcopy(base)
+        _swap_to_uniep(torch.nn.ModuleDict({"moe": moe}), UniEP(enable=True, schedule="fused"))
+        moe.experts.ep_group = group
+        model = torch.compile(moe, fullgraph=True) if compile_it else moe
+        xx = x.clone().requires_grad_()
+        out = model(xx)
+        out.float().square().mean().backward()
+        results.append([out.detach(), xx.grad] + [p.grad for p in moe.parameters()])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert b is not None and not torch.isnan(b).any(), f"compiled MoE: gradient {i} missing or NaN"
+        scale = a.abs().max().item()
+        torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2 * scale,
+                                   msg=lambda m: f"compiled MoE tensor {i} vs eager: {m}")
+    print("4. torch.compile (inductor, fullgraph) of a TorchTitan MoE on UniEP: close to eager", flush=True)
+
+    op._workspaces.clear()
+    dist.destroy_process_group()
+    print("OP WORKER OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

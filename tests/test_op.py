@@ -1,0 +1,224 @@
+"""The custom ops ``torch.ops.uniep.moe_experts`` / ``moe_experts_backward`` on CPU, end to end.
+
+A one-rank gloo group in this process: the ops build a ``Workspace.simulated(1)``
+and run the kernels in Triton's interpreter (fp32). Forward and backward
+(through the registered autograd) against the reference schedule (torch
+collectives on the same group, autograd through torch) and the float64
+oracle; every ``torch.empty`` is NaN-filled while the ops run (the ops'
+outputs, h1 | h3 and every workspace buffer), and a reused workspace is
+poisoned again before each call, so an element the kernels do not write shows
+up. Edge routings, the fake implementations, and ``torch.compile`` of a
+TorchTitan MoE holding the op (the eager bits, forward and every gradient).
+Larger simulated worlds are tested through ``runtime.simulated_*``
+(test_kernels.py, test_backward.py).
+"""
+
+import copy
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.runtime.interpreter import InterpretedFunction
+
+from titan_uniep import op
+from titan_uniep.oracle import float64_moe_oracle
+from titan_uniep.schedules import Routing, get_schedule
+
+if torch.cuda.is_available():
+    pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
+if not isinstance(tl.standard.cdiv, InterpretedFunction):
+    # Triton was imported before TRITON_INTERPRET was set (see test_kernels.py):
+    # test_interpreter_subprocess.py runs this file anew.
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1; run in a subprocess", allow_module_level=True)
+
+DIM, HIDDEN = 16, 16
+NAMES = ("out", "dx", "dscores", "dw1", "dw2", "dw3")
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def poisoned_memory():
+    """Every uninitialised allocation NaN (torch's deterministic mode fills
+    torch.empty), and fresh workspaces for each test."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.isnan(torch.empty(8)).all()
+    op._workspaces.clear()
+    yield
+    op._workspaces.clear()
+    torch.use_deterministic_algorithms(was)
+
+
+def make_layer(num_tokens, num_experts, top_k, *, seed, allowed=None, force=None):
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.arange(num_experts) if allowed is None else torch.tensor(allowed)
+    picked = allowed[torch.rand(num_tokens, len(allowed), generator=gen).argsort(1)][:, :top_k]
+    if force is not None:  # every token picks ``force`` (as its last choice if not already)
+        lacks = (picked != force).all(1)
+        picked[lacks, -1] = force
+    return dict(
+        x=torch.randn(num_tokens, DIM, generator=gen),
+        scores=torch.rand(num_tokens, top_k, generator=gen),
+        indices=picked.contiguous(),
+        w1=torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5,
+        w2=torch.randn(num_experts, DIM, HIDDEN, generator=gen) / HIDDEN**0.5,
+        w3=torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5,
+        grad=torch.randn(num_tokens, DIM, generator=gen),
+    )
+
+
+def _leaves(w, dtype=None):
+    return {k: w[k].to(dtype or w[k].dtype, copy=True).requires_grad_() for k in ("x", "scores", "w1", "w2", "w3")}
+
+
+def _grads(out, leaves, grad):
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [leaves[k].grad for k in ("x", "scores", "w1", "w2", "w3")]
+
+
+def run_op(w, group, schedule, score_before):
+    """The op's output and gradients (autograd through the registered formula),
+    every workspace it uses poisoned first."""
+    for ws in op._workspaces.values():
+        ws.poison()
+    leaves = _leaves(w)
+    out, h13 = torch.ops.uniep.moe_experts(
+        leaves["x"], leaves["scores"], w["indices"], leaves["w1"], leaves["w2"], leaves["w3"], group.group_name,
+        schedule, score_before,
+    )
+    assert not h13.requires_grad
+    return _grads(out, leaves, w["grad"])
+
+
+def run_reference(w, group, score_before):
+    leaves = _leaves(w)
+    out = get_schedule("reference")(leaves["x"], Routing(leaves["scores"], w["indices"]), leaves["w1"], leaves["w2"],
+                                    leaves["w3"], group=group, score_before_experts=score_before)
+    return _grads(out, leaves, w["grad"])
+
+
+def run_float64(w, score_before):
+    leaves = _leaves(w, torch.float64)
+    out = float64_moe_oracle(leaves["x"], leaves["scores"], w["indices"], leaves["w1"], leaves["w2"], leaves["w3"],
+                             score_before_experts=score_before)
+    got = _grads(out, leaves, w["grad"])
+    return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(got, [out, *leaves.values()])]
+
+
+def assert_close_to_references(got, w, group, score_before, where):
+    reference = run_reference(w, group, score_before)
+    exact = run_float64(w, score_before)
+    for name, g, ref, ex in zip(NAMES, got, reference, exact):
+        ref = ref if ref is not None else torch.zeros_like(ex, dtype=g.dtype)
+        assert g.dtype == ref.dtype and g.shape == ref.shape, f"{where} {name}: {g.dtype} {tuple(g.shape)}"
+        assert not torch.isnan(g).any(), f"{where} {name}: NaN (an element the kernels never wrote)"
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} {name} vs reference: {m}")
+        torch.testing.assert_close(g.double(), ex, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{where} {name} vs float64: {m}")
+
+
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+def test_op_forward_and_backward_match_the_reference_schedule_and_float64(group, poisoned_memory, score_before):
+    w = make_layer(13, 4, 2, seed=3 + score_before)  # odd T
+    got = {schedule: run_op(w, group, schedule, score_before) for schedule in ("sequential", "fused")}
+    assert len(op._workspaces) == 2  # one forward and one backward workspace, reused by the second schedule
+    for name, seq, fus in zip(NAMES, got["sequential"], got["fused"]):
+        assert torch.equal(seq, fus), f"{name}: fused differs from sequential"
+    assert_close_to_references(got["fused"], w, group, score_before, "fused")
+
+
+@pytest.mark.parametrize("case", ["all_tokens_to_one_expert", "expert_without_tokens", "one_token"])
+def test_op_under_edge_routing_with_a_poisoned_workspace(group, poisoned_memory, case):
+    if case == "all_tokens_to_one_expert":  # K = 1: two tiles of expert 2, three experts with no rows
+        w, schedule = make_layer(21, 4, 1, seed=11, force=2), "fused"
+    elif case == "expert_without_tokens":  # expert 2 never picked: zero weight gradients
+        w, schedule = make_layer(9, 4, 2, seed=12, allowed=[0, 1, 3]), "sequential"
+    else:
+        w, schedule = make_layer(1, 4, 2, seed=13), "fused"
+    # A workspace built for more tokens than this call (as training's reserve_tokens does).
+    op.reserve_tokens(group, 24)
+    try:
+        got = run_op(w, group, schedule, False)
+    finally:
+        op._reserved_tokens.clear()
+    assert_close_to_references(got, w, group, False, f"{case} ({schedule})")
+    if case == "expert_without_tokens":
+        assert all(torch.equal(g[2], torch.zeros_like(g[2])) for g in got[3:]), "expert 2 has a nonzero gradient"
+
+
+def test_fake_implementations_give_the_real_shapes_without_touching_a_workspace(group, poisoned_memory):
+    w = make_layer(7, 4, 2, seed=21)
+    args = (w["x"], w["scores"], w["indices"], w["w1"], w["w2"], w["w3"])
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (*args, w["grad"])]
+        fake_out = torch.ops.uniep.moe_experts(*fake[:6], group.group_name, "fused", False)
+        fake_grads = torch.ops.uniep.moe_experts_backward(fake[6], *fake[:6], fake_out[1], group.group_name,
+                                                          "fused", False)
+    assert not op._workspaces, "a fake implementation built a workspace"
+    out = torch.ops.uniep.moe_experts(*args, group.group_name, "fused", False)
+    grads = torch.ops.uniep.moe_experts_backward(w["grad"], *args, out[1], group.group_name, "fused", False)
+    for name, f, r in zip(("out", "h13", "dx", "dscores", "dw1", "dw2", "dw3"), (*fake_out, *fake_grads),
+                          (*out, *grads)):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype), f"{name}: fake {f.shape} " \
+            f"{f.stride()} {f.dtype}, real {r.shape} {r.stride()} {r.dtype}"
+
+
+def test_interpreted_op_refuses_bf16_naming_the_fix(group, poisoned_memory):
+    w = make_layer(5, 4, 2, seed=41)
+    bf16 = [w[k].bfloat16() for k in ("x", "scores", "indices", "w1", "w2", "w3")]
+    bf16[1], bf16[2] = w["scores"], w["indices"]
+    with pytest.raises(ValueError, match=r"bf16 .*mixed_precision_param = \"float32\""):
+        torch.ops.uniep.moe_experts(*bf16, group.group_name, "fused", False)
+    assert not op._workspaces
+
+
+def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory):
+    """A TorchTitan MoE (router, shared expert, load-balancing buffer) swapped to
+    UniEP, schedule "fused" on the one-rank group, compiled in one graph
+    (AOT autograd traces the backward through the backward op's fake)."""
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from titan_uniep.config import UniEP
+    from titan_uniep.cpu import apply_cpu_shims
+    from titan_uniep.parallelize import _swap_to_uniep
+
+    apply_cpu_shims()  # int histc of TorchTitan's router on CPU
+    torch.manual_seed(31)
+    args = MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="softmax", route_norm=True,
+                   score_before_experts=False, use_grouped_mm=False)
+    base = MoE(args, dim=DIM, hidden_dim=HIDDEN)
+    with torch.no_grad():
+        base.init_weights(init_std=0.1, buffer_device=torch.device("cpu"))
+    x = torch.randn(1, 13, DIM)
+    grad = torch.randn(1, 13, DIM)
+
+    def run(compiled: bool):
+        moe = copy.deepcopy(base)
+        _swap_to_uniep(torch.nn.ModuleDict({"moe": moe}), UniEP(enable=True, schedule="fused"))
+        moe.experts.ep_group = group
+        model = torch.compile(moe, backend="aot_eager", fullgraph=True) if compiled else moe
+        for ws in op._workspaces.values():
+            ws.poison()
+        xx = x.clone().requires_grad_()
+        out = model(xx)
+        out.backward(grad)
+        return {"out": out.detach(), "x.grad": xx.grad, "tokens_per_expert": moe.tokens_per_expert.clone(),
+                **{f"{n}.grad": p.grad for n, p in moe.named_parameters()}}
+
+    eager, compiled = run(False), run(True)
+    assert eager.keys() == compiled.keys()
+    for name in eager:
+        assert not torch.isnan(eager[name]).any(), name
+        assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
