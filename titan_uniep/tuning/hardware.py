@@ -34,7 +34,8 @@ class HardwareConstants:
     ``peak_tflops`` a kernel's K-loop reaches at that tile (one SM's share
     per program), missing keys fall back to ``tile_efficiency``'s formula;
     ``stage_scale`` multiplies a stage's predicted time (``"forward.fc1"``,
-    ...; 1 where absent), as fitted by ``calibrate fit``. ``source`` says
+    ...; else the direction's ``"forward"`` / ``"backward"``; else 1), as
+    fitted by ``calibrate fit``. ``source`` says
     where the figures come from ("uncalibrated: ..." until calibration)."""
 
     name: str
@@ -55,13 +56,18 @@ class HardwareConstants:
     tile_fixed_us: float  # per GEMM tile: pipeline fill, address set-up, the tile wait
     dispatch_overlap: float  # fraction of the dispatch a hybrid fused launch hides behind GEMM tiles
     grouped_mm_efficiency: float  # torch._grouped_mm on the weight gradients, fraction of peak
+    roofline_p: float  # a launch's compute and memory times t_c, t_m overlap as (t_c^p + t_m^p)^(1/p)
+    tma_speedup: float  # efficiency factor of descriptor operand loads over pointer loads
+    one_pass_dh_efficiency: float  # the recomputing dH tile in one K-loop (three accumulators) against two
+    combine_overlap: float  # fraction of the staged / presum combine hidden behind fc2 tiles (fused)
+    reduce_tail: float  # fraction of a reduce launch left after the GEMM tiles (fused)
     gemm_efficiency: dict[str, float] = field(default_factory=dict)
     stage_scale: dict[str, float] = field(default_factory=dict)
 
     def tile_efficiency(self, kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int) -> float:
         """Fraction of the per-SM peak a K-loop step reaches: the calibrated
         figure of this tile, else a formula fitted to the figures of
-        ``docs/performance.md`` (128 x 256 x 64, 8 warps, 3 stages ~0.62;
+        ``docs/performance.md`` (128 x 256 x 64, 8 warps, 3 stages ~0.66;
         64-row tiles ~40% slower; narrower tiles and shallow rings lose)."""
         key = tile_key(kernel, bm, bn, bk, warps, stages, per_sm)
         if key in self.gemm_efficiency:
@@ -75,7 +81,7 @@ def _tile_efficiency(bm, bn, bk, warps, stages):
     warps, stages = np.asarray(warps, float), np.asarray(stages, float)
     # operand bytes per flop fall with the tile: 1/bm + 1/bn; 128 x 256 is the reference
     intensity = (1 / 128 + 1 / 256) / (1 / np.maximum(bm, 16) + 1 / np.maximum(bn, 16))
-    eff = 0.62 * np.minimum(1.0, intensity) ** 0.8
+    eff = 0.66 * np.minimum(1.0, intensity) ** 0.8
     eff = eff * np.where(bm < 64, 0.5, np.where(bm < 128, 0.6, 1.0))
     eff = eff * np.where(stages < 2, 0.55, np.where(stages < 3, 0.85, 1.0))
     eff = eff * np.where(bk < 32, 0.7, np.where(bk < 64, 0.92, 1.0))
@@ -100,7 +106,8 @@ def default_constants(gpu_name: str = "NVIDIA H200") -> HardwareConstants:
         sm_count=132, smem_per_sm=228 * 1024, smem_per_block=227 * 1024, registers_per_sm=65536,
         max_registers_per_thread=255, max_threads_per_sm=2048, peak_tflops=989.0, hbm_gbps=4000.0,
         nvlink_gbps=360.0, copy_gbps_per_program=40.0, launch_us=4.0, exchange_us=40.0, release_us=2.0,
-        tile_fixed_us=2.0, dispatch_overlap=0.3, grouped_mm_efficiency=0.62,
+        tile_fixed_us=2.0, dispatch_overlap=0.5, grouped_mm_efficiency=0.64, roofline_p=1.6, tma_speedup=1.0,
+        one_pass_dh_efficiency=0.9, combine_overlap=0.5, reduce_tail=0.5,
     )
 
 

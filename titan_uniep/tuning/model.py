@@ -38,6 +38,7 @@ import dataclasses
 import math
 import operator
 from dataclasses import dataclass
+from collections.abc import Sequence as SequenceABC
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -58,6 +59,7 @@ __all__ = [
     "FORWARD_STAGES",
     "HardwareConstants",
     "Prediction",
+    "Ranking",
     "RoutingStats",
     "default_constants",
     "load_constants",
@@ -179,14 +181,6 @@ def _columns(points: Sequence[LayerParams], grid_default: int) -> dict[str, np.n
     return {name: np.asarray(values) for name, values in cols.items()}
 
 
-def _tiles(rows: np.ndarray, block_m: np.ndarray) -> np.ndarray:
-    """Row tiles ``sum_e ceil(rows_e / BM)`` per point ``(N,)`` for one rank's experts ``rows``."""
-    out = np.empty(len(block_m))
-    for bm in np.unique(block_m):
-        out[block_m == bm] = np.ceil(rows / bm).sum()
-    return out
-
-
 class Prediction:
     """Predicted times in ms of one point: ``forward`` / ``backward`` map a
     stage to its time when it runs alone (its sequential launch),
@@ -273,10 +267,11 @@ def predict(shape: LayerShape, stats: RoutingStats, ep_size: int, params: LayerP
 
 def rank(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Iterable[LayerParams],
          hw: HardwareConstants, *, schedule: str = "fused", saved_h13: bool = True,
-         objective: str = "total") -> list[tuple[LayerParams, Prediction]]:
+         objective: str = "total") -> "Ranking":
     """``points`` with their predictions, fastest first by ``objective``
-    (``"total"``: forward + backward, ``"forward"`` or ``"backward"``); ties
-    keep the input order. Vectorised: one numpy pass over all points."""
+    (``"total"``: forward + backward, ``"forward"`` or ``"backward"``), as a
+    ``Ranking`` (a sequence of ``(params, Prediction)``); ties keep the input
+    order. Vectorised: one numpy pass over all points."""
     points = list(points)
     if not points:
         return []
@@ -285,211 +280,255 @@ def rank(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Iterable[
     batch = _model(shape, stats, ep_size, points, hw, schedule=schedule, saved_h13=saved_h13)
     score = {"total": batch.forward_total + batch.backward_total, "forward": batch.forward_total,
              "backward": batch.backward_total}[objective]
-    return [(points[i], Prediction(batch, i)) for i in np.argsort(score, kind="stable").tolist()]
+    return Ranking(points, batch, np.argsort(score, kind="stable"))
+
+
+class Ranking(SequenceABC):
+    """``rank``'s result: a read-only sequence of ``(params, Prediction)``,
+    fastest first, built per item on access (10^5 points cost no tuples)."""
+
+    def __init__(self, points: list[LayerParams], batch: _Batch, order: np.ndarray):
+        self._points, self._batch, self._order = points, batch, order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        j = int(self._order[i])
+        return self._points[j], Prediction(self._batch, j)
+
+    def __repr__(self) -> str:
+        head = ", ".join(f"{p.total:.4f}" for _, p in self[:3])
+        return f"Ranking({len(self)} points, fastest totals (ms): {head}{', ...' if len(self) > 3 else ''})"
+
+
+def _expert_tiles(stats: RoutingStats, el: int, block_m: np.ndarray, group_m: np.ndarray):
+    """Per point and rank ``(N, W)``: row tiles ``sum_e ceil(rows_e / BM)``,
+    row-tile groups ``sum_e ceil(tiles_e / group_m)`` (each group sweeps
+    every column block, re-reading the expert's weights once) and the
+    experts with rows."""
+    w = stats.ep_size
+    rows = stats.expert_rows.reshape(w, el)
+    n = len(block_m)
+    tiles, groups = np.empty((n, w)), np.empty((n, w))
+    keys = np.stack([block_m, group_m], axis=1)
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    for j, (bm, gm) in enumerate(unique):
+        per_expert = np.ceil(rows / bm)
+        tiles[inverse == j] = per_expert.sum(axis=1)
+        groups[inverse == j] = np.ceil(per_expert / gm).sum(axis=1)
+    return tiles, groups, (rows > 0).sum(axis=1)
 
 
 def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequence[LayerParams],
            hw: HardwareConstants, *, schedule: str, saved_h13: bool) -> _Batch:
+    """Every stage's time in seconds for every point (arrays ``(N,)``)."""
     if schedule not in ("fused", "sequential"):
         raise ValueError(f"schedule must be 'fused' or 'sequential', got {schedule!r}")
     if stats.ep_size != ep_size or shape.ep_size != ep_size:
         raise ValueError(f"ep_size ({ep_size}) must match the routing's ({stats.ep_size}) and the shape's "
                          f"({shape.ep_size})")
-    if stats.num_experts != shape.num_experts:
-        raise ValueError(f"the routing has {stats.num_experts} experts, the shape {shape.num_experts}")
+    if stats.num_experts != shape.num_experts or stats.top_k != shape.top_k:
+        raise ValueError(f"the routing has {stats.num_experts} experts and top-{stats.top_k}, the shape "
+                         f"{shape.num_experts} and top-{shape.top_k}")
     c = _columns(points, hw.sm_count)
     n = len(points)
     w, d, h, k, b = ep_size, shape.dim, shape.hidden, shape.top_k, shape.dtype_bytes
     el = shape.local_experts
     sms = hw.sm_count
+    us = 1e-6
     peak_sm = hw.peak_tflops * 1e12 / sms  # FLOP/s of one SM
     hbm = hw.hbm_gbps * 1e9
-    link = max(hw.nvlink_gbps, 1e-3) * 1e9
+    link = hw.nvlink_gbps * 1e9 if hw.nvlink_gbps > 0 else 1e12  # unknown: no NVLink bound
     per_prog = hw.copy_gbps_per_program * 1e9
-    us = 1e-6
+    launch = hw.launch_us * us
     grid = np.minimum(c["num_programs"], sms).astype(float)
 
-    # ---- per-rank traffic and rows (the slowest rank bounds every launch) ----
+    # ---- routing per rank (each launch ends with its slowest rank) ----
+    remote = 1 - np.eye(w)
     rows_rank = stats.rows_per_rank()  # (W,) slots received
     tokens = stats.tokens
-    remote = 1 - np.eye(w)
     rows_out = (stats.send_rows * remote).sum(axis=1)  # dedup rows a source sends to peers
     rows_in = (stats.send_rows * remote).sum(axis=0)  # dedup rows a rank receives from peers
-    rows_local = np.diag(stats.send_rows)
-    copies_back_out = (stats.send_copies * remote).sum(axis=0)  # combine rows an expert rank sends back
-    copies_back_in = (stats.send_copies * remote).sum(axis=1)  # combine rows a source receives
+    rows_own = np.diag(stats.send_rows)  # rows that stay on their rank
+    back_out = (stats.send_copies * remote).sum(axis=0)  # combine rows an expert rank sends back
+    back_in = (stats.send_copies * remote).sum(axis=1)  # combine rows a source gets back
+    remote_share = np.divide(back_out, rows_rank, out=np.zeros(w), where=rows_rank > 0)  # (W,)
+    tiles_m, groups_m, experts_used = _expert_tiles(stats, el, c["block_m"], c["group_m"])
+    bm = c["block_m"][:, None].astype(float)
 
-    def slowest(per_rank: np.ndarray) -> np.ndarray:
-        """``(N, W)`` -> ``(N,)``: the slowest rank."""
-        return per_rank.max(axis=1)
+    def slowest(per_rank) -> np.ndarray:
+        return np.broadcast_to(np.asarray(per_rank, dtype=float), (n, w)).max(axis=1)
 
-    def dispatch_time(row_bytes: float, programs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(time, bound) of one dispatch: dedup rows over NVLink (out of and
-        into each rank), own rows through HBM, at most ``programs`` programs'
-        copy rate, plus the per-task claim and release."""
+    def roofline(compute, memory):
+        """Compute and memory time of one launch, overlapping imperfectly (a p-norm)."""
+        p = hw.roofline_p
+        return (compute**p + memory**p) ** (1 / p)
+
+    def copy_rows(row_bytes: float, programs: np.ndarray, own: bool = True) -> np.ndarray:
+        """``(N, W)``: a dispatch's row copies by ``programs`` programs: de-duplicated
+        rows over NVLink (out of and into each rank), own rows (``own``) through
+        HBM, at most the programs' copy rate; plus the per-task claim and release."""
+        moved = (rows_out + (rows_own if own else 0)) * row_bytes
         link_t = np.maximum(rows_out, rows_in) * row_bytes / link if w > 1 else np.zeros(w)
-        local_t = rows_local * row_bytes * 2 / hbm
-        moved = (rows_out + rows_local)[None, :] * row_bytes
-        rate = np.minimum(programs[:, None] * per_prog, hbm / 2)
-        copy_t = moved / rate
+        rate = np.minimum(programs * per_prog, hbm / 2)[:, None]
         tasks = np.ceil(tokens[None, :] / c["dispatch_block_tokens"][:, None])
-        task_t = tasks / programs[:, None] * (2 * hw.release_us * us)
-        t = np.maximum(np.maximum(link_t + local_t, 0)[None, :], copy_t) + task_t
-        bound = np.where(copy_t.max(axis=1) >= (link_t + local_t).max(), "program copy rate", "NVLink")
-        return slowest(t), bound
+        return np.maximum(link_t[None, :], moved[None, :] / rate) + tasks / programs[:, None] * 2 * hw.release_us * us
 
-    def gemm_time(kernel: str, tiles_m: np.ndarray, bn, bk, kdim, ntot, flops_per_tile, warps, stages, per_sm,
-                  epilogue_bytes, programs) -> np.ndarray:
-        """GEMM tiles in waves: ``tiles_m`` row tiles (N, W) x ``ceil(ntot / bn)``
-        column blocks, each ``ceil(kdim / bk)`` MMA steps plus a fixed cost and
-        its epilogue stores, ``per_sm`` programs per SM hiding each other's
-        fixed part."""
-        eff = _efficiency(hw, kernel, c["block_m"], bn, bk, warps, stages, per_sm)
-        steps = np.ceil(kdim / bk)
-        mma = flops_per_tile / steps  # per K step
-        t_mma = steps * mma / (peak_sm * eff)
-        t_fixed = hw.tile_fixed_us * us + epilogue_bytes / (hbm / sms)
-        t_sm = np.maximum(t_mma, (t_mma + t_fixed) / per_sm)  # one SM's time per tile
-        tiles = tiles_m * np.ceil(ntot / bn)[:, None]
-        progs = (programs * per_sm)[:, None]
-        waves = np.ceil(tiles / progs)
-        return slowest(waves * (t_sm * per_sm)[:, None])
-
-    local_rows = [stats.expert_rows[r * el:(r + 1) * el] for r in range(w)]
-    tiles_m = np.stack([_tiles(rows, c["block_m"]) for rows in local_rows], axis=1)  # (N, W)
+    def gemm(kernel, n_total, k_total, mats, bn, bk, warps, stages, per_sm, a_row_bytes, out_elem_bytes,
+             extra_tile_s=0.0, extra_bytes=0.0, eff_scale=1.0) -> np.ndarray:
+        """``(N, W)``: the GEMM tiles of one launch, ``mats`` weight matrices of
+        ``k_total x n_total`` per expert (one accumulator each). Compute: tiles in
+        waves over ``grid * per_sm`` programs, ``ceil(k_total / bk)`` MMA steps each
+        at the tile's efficiency plus a fixed cost (and ``extra_tile_s``) that a
+        second program per SM hides; memory: the experts' weights once per
+        row-tile group, the rows, the outputs (and ``extra_bytes``)."""
+        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm) * eff_scale
+        col_blocks = np.ceil(n_total / bn)[:, None]
+        flops = 2 * bm * bn[:, None] * k_total * mats
+        t_mma = flops / (peak_sm * eff[:, None])
+        out_bytes = bm * bn[:, None] * out_elem_bytes * mats
+        t_fixed = hw.tile_fixed_us * us + out_bytes / (hbm / sms) + extra_tile_s
+        pps = per_sm[:, None].astype(float)
+        t_sm = np.maximum(t_mma, (t_mma + t_fixed) / pps)
+        tiles = tiles_m * col_blocks
+        compute = np.ceil(tiles / (grid[:, None] * pps)) * pps * t_sm
+        weights = groups_m * n_total * k_total * mats * b
+        rows = rows_rank[None, :]
+        memory = (weights + rows * a_row_bytes + rows * n_total * out_elem_bytes * mats + extra_bytes) / hbm
+        return roofline(compute, memory)
 
     fwd: dict[str, np.ndarray] = {}
     bwd: dict[str, np.ndarray] = {}
     bounds: dict[str, object] = {}
-    launch = hw.launch_us * us
+    zero = np.zeros(n)
+
+    # ---- forward, each stage alone (its sequential launch) ----
     exchange = 3 * launch + (hw.exchange_us * us if w > 1 else 0.0)
     fwd["exchange"] = np.full(n, exchange)
-    bounds["forward.exchange"] = "3 launches + counts exchange"
-
-    # ---- forward ----
-    dispatch_first = c["dispatch_programs"] >= grid
-    dispatchers = np.minimum(c["dispatch_programs"], grid).astype(float)
-    disp_alone, disp_bound = dispatch_time(d * b, grid)  # sequential: every program dispatches
-    fwd["dispatch"] = disp_alone + launch
-    bounds["forward.dispatch"] = disp_bound
-
-    save = 2 if True else 0  # the op saves h1 | h3 in the forward
-    fc1 = gemm_time("fc1", tiles_m, c["fc1_block_n"], c["fc1_block_k"], d, h, 2 * c["block_m"] * c["fc1_block_n"] * 2 * d,
-                    c["fc1_num_warps"], c["fc1_num_stages"], 1,
-                    c["block_m"] * c["fc1_block_n"] * b * (1 + save), grid)
-    fwd["fc1"] = fc1 + launch
-    bounds["forward.fc1"] = "GEMM tiles"
-
+    bounds["forward.exchange"] = "3 route launches" + (" + counts exchange with peers" if w > 1 else "")
+    disp_all = copy_rows(d * b, grid)
+    fwd["dispatch"] = slowest(disp_all) + launch
+    bounds["forward.dispatch"] = (f"NVLink: {rows_out.max() * d * b / 1e6:.1f} MB out of the busiest rank"
+                                  if w > 1 else "HBM: own rows only")
+    fc1 = gemm("fc1", h, d, 2, c["fc1_block_n"], c["fc1_block_k"], c["fc1_num_warps"], c["fc1_num_stages"],
+               np.ones(n), d * b, b * 1.5)  # h plus the saved h1 | h3 (three outputs over two accumulators)
+    fwd["fc1"] = slowest(fc1) + launch
+    bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
     staged, presum = c["combine"] == "staged", c["combine"] == "presum"
     direct = ~(staged | presum)
-    # fc2 epilogue: direct stores the rows to their sources; the release after
-    # remote stores waits for them unless deferred or hidden by a 2nd program
-    remote_frac = float(copies_back_out.sum() / max(rows_rank.sum(), 1)) if w > 1 else 0.0
-    tile_bytes = c["block_m"] * c["fc2_block_n"] * b
-    release_wait = np.where(direct & ~c["fc2_defer_release"],
-                            tile_bytes * remote_frac / (link / sms) * 0.5 + hw.release_us * us, 0.0)
-    fc2_grid = grid
-    fc2 = gemm_time("fc2", tiles_m, c["fc2_block_n"], c["fc2_block_k"], h, d,
-                    2 * c["block_m"] * c["fc2_block_n"] * h, c["fc2_num_warps"], c["fc2_num_stages"],
-                    c["fc2_programs_per_sm"], tile_bytes * (1 + 0.0) + release_wait * (hbm / sms), fc2_grid)
-    fc2 = fc2 * np.where(c["fc2_tma"], 0.98, 1.0)
-    combine_link = np.where(w > 1, slowest(np.broadcast_to(np.maximum(copies_back_out, copies_back_in) * d * b / link,
-                                                          (n, w))), 0.0)
-    fwd["fc2"] = np.where(direct, np.maximum(fc2, combine_link), fc2) + launch
-    bounds["forward.fc2"] = "GEMM tiles (direct: and the combine's NVLink bytes)"
-    # staged: y written locally then sent by tasks; presum: one fp32 partial per (token, rank)
-    y_bytes = rows_rank.max() * d * b
-    send_staged = np.maximum(combine_link, y_bytes * 2 / hbm)
-    partial_rows_out = (stats.send_rows * remote).sum(axis=0).max()
-    presum_link = partial_rows_out * d * 4 / link if w > 1 else 0.0
-    presum_t = np.maximum(presum_link, (y_bytes + rows_rank.max() * d * 4 / k) / hbm)
-    fwd["combine"] = np.where(staged, send_staged + launch, np.where(presum, presum_t + launch, 0.0))
-    bounds["forward.combine"] = "staged: NVLink / y through HBM; presum: fp32 partials"
-    reduce_read = np.where(presum, tokens.max() * w * d * 4, tokens.max() * k * d * b)
-    reduce_bytes = reduce_read + tokens.max() * d * b
-    reduce_tasks = np.ceil(tokens.max() / c["reduce_block_tokens"]) * np.ceil(d / c["reduce_block_dim"])
+    tile_remote = bm * c["fc2_block_n"][:, None] * b * remote_share[None, :]
+    fc2_wait = np.where((direct & ~c["fc2_defer_release"])[:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
+    fc2_local = gemm("fc2", d, h, 1, c["fc2_block_n"], c["fc2_block_k"], c["fc2_num_warps"], c["fc2_num_stages"],
+                     c["fc2_programs_per_sm"], h * b, b, extra_tile_s=fc2_wait,
+                     eff_scale=np.where(c["fc2_tma"] & (b == 2), hw.tma_speedup, 1.0))
+    combine_link = np.maximum(back_out, back_in) * d * b / link if w > 1 else np.zeros(w)
+    fc2 = np.where(direct[:, None], np.maximum(fc2_local, combine_link[None, :]), fc2_local)
+    fwd["fc2"] = slowest(fc2) + launch
+    bounds["forward.fc2"] = "GEMM; direct combine: and " + (
+        f"{back_out.max() * d * b / 1e6:.1f} MB back over NVLink" if w > 1 else "its stores")
+    y_bytes = rows_rank * d * b
+    send_programs = np.where(staged, grid, 1.0)
+    staged_t = np.maximum(combine_link[None, :], 2 * y_bytes[None, :] / np.minimum(send_programs * per_prog, hbm)[:, None])
+    partial_rows = (stats.send_rows * remote).sum(axis=0)  # one fp32 partial per (token, expert rank) back
+    presum_link = partial_rows * d * 4 / link if w > 1 else np.zeros(w)
+    presum_t = np.maximum(presum_link[None, :], (y_bytes + rows_rank * d * 4 / k)[None, :] / (grid[:, None] * per_prog))
+    fwd["combine"] = np.where(staged, slowest(staged_t) + launch, np.where(presum, slowest(presum_t) + launch, zero))
+    bounds["forward.combine"] = "staged: y through HBM and NVLink; presum: fp32 partials; direct: in fc2"
     reduce_rate = np.minimum(grid * per_prog, hbm)
-    fwd["reduce"] = reduce_bytes / reduce_rate + reduce_tasks / grid * hw.release_us * us + launch
-    bounds["forward.reduce"] = "HBM / program copy rate"
+    t_max = tokens.max()
+    reduce_read = np.where(presum, t_max * min(w, k) * d * 4, t_max * k * d * b)
+    reduce_tasks = np.ceil(t_max / c["reduce_block_tokens"]) * np.ceil(d / np.minimum(c["reduce_block_dim"], d))
+    fwd["reduce"] = ((reduce_read + t_max * d * b) / reduce_rate + reduce_tasks / grid * hw.release_us * us
+                     + launch)
+    bounds["forward.reduce"] = "program copy rate / HBM"
 
-    # ---- backward ----
-    bwd["exchange"] = np.full(n, exchange)
-    bounds["backward.exchange"] = "3 launches + counts exchange"
-    bdisp, bdisp_bound = dispatch_time(2 * d * b, grid)
-    bwd["dispatch"] = bdisp + launch
-    bounds["backward.dispatch"] = bdisp_bound
-    dh_per_sm = c["dh_programs_per_sm"] if saved_h13 else np.ones(n)
-    copy_rows = saved_h13 & c["dh_copies_rows"]
-    dh_flops = 2 * c["block_m"] * c["dh_block_n"] * d * (1 if saved_h13 else 3)
-    dh_epi = c["block_m"] * c["dh_block_n"] * (4 if saved_h13 else 3 * b) + np.where(
-        copy_rows, c["block_m"] * 2 * d * b / np.ceil(h / c["dh_block_n"]), 0)
-    dh_eff_scale = 1.0 if saved_h13 else np.where(c["dh_two_pass"], 0.92, 0.8)
-    dh = gemm_time("dh", tiles_m, c["dh_block_n"], c["dh_block_k"], d * (1 if saved_h13 else 3), h, dh_flops,
-                   c["dh_num_warps"], c["dh_num_stages"], dh_per_sm, dh_epi, grid) / dh_eff_scale
-    bwd["dh"] = dh + launch
-    bounds["backward.dh"] = "GEMM tiles" + ("" if saved_h13 else " (h1 | h3 recomputed)")
+    # ---- backward, each stage alone ----
+    bwd["exchange"] = fwd["exchange"]
+    bounds["backward.exchange"] = bounds["forward.exchange"]
+    bdisp_all = copy_rows(2 * d * b, grid)
+    bwd["dispatch"] = slowest(bdisp_all) + launch
+    bounds["backward.dispatch"] = "[x | dOut] rows: " + bounds["forward.dispatch"]
+    copies = saved_h13 & c["dh_copies_rows"]
+    h_blocks = np.ceil(h / c["dh_block_n"])[:, None]
+    copy_tile_s = np.where(copies[:, None], bm * 2 * d * b / h_blocks / per_prog, 0.0)
+    if saved_h13:
+        dh = gemm("dh", h, d, 1, c["dh_block_n"], c["dh_block_k"], c["dh_num_warps"], c["dh_num_stages"],
+                  c["dh_programs_per_sm"], d * b, 4, extra_tile_s=copy_tile_s,
+                  extra_bytes=np.where(copies[:, None], rows_rank[None, :] * 2 * d * b, 0.0))
+        bounds["backward.dh"] = "GEMM G = dOut w2 (fp32 out)"
+    else:  # h1 | h3 again from x (two accumulators), then G: three GEMMs per tile
+        dh = gemm("dh_recompute", h, d, 3, c["dh_block_n"], c["dh_block_k"], c["dh_num_warps"],
+                  c["dh_num_stages"], np.ones(n), 2 * d * b, b,
+                  eff_scale=np.where(c["dh_two_pass"], 1.0, hw.one_pass_dh_efficiency))
+        bounds["backward.dh"] = "GEMM: h1 | h3 recomputed, then G"
+    bwd["dh"] = slowest(dh) + launch
     swiglu_bytes = rows_rank.max() * h * (4 + 2 * b + 3 * b)
-    bwd["swiglu"] = np.full(n, swiglu_bytes / hbm + launch if saved_h13 else 0.0)
-    bounds["backward.swiglu"] = "HBM"
-    gather = rows_rank.max() * 2 * d * b * 2 / hbm + launch
-    bwd["gather"] = np.where(copy_rows, 0.0, gather)
-    bounds["backward.gather"] = "HBM"
-    da_tile_bytes = c["block_m"] * c["da_block_n"] * b
-    da_release = np.where(~c["da_defer_release"], da_tile_bytes * remote_frac / (link / sms) * 0.5
-                          + hw.release_us * us, 0.0)
-    da = gemm_time("da", tiles_m, c["da_block_n"], c["da_block_k"], 2 * h, d, 2 * c["block_m"] * c["da_block_n"] * 2 * h,
-                   c["da_num_warps"], c["da_num_stages"], c["da_programs_per_sm"],
-                   da_tile_bytes + da_release * (hbm / sms), grid)
-    da = da * np.where(c["da_tma"] & (h % c["da_block_k"] == 0) & (b == 2), 0.95, 1.0)
-    bwd["da"] = np.maximum(da, combine_link) + launch
-    bounds["backward.da"] = "GEMM tiles and the combine's NVLink bytes"
-    breduce_bytes = tokens.max() * k * d * b + tokens.max() * d * b
-    breduce_tasks = np.ceil(tokens.max() / c["reduce_block_tokens"]) * np.ceil(d / c["reduce_block_dim"])
-    bwd["reduce"] = breduce_bytes / reduce_rate + breduce_tasks / grid * hw.release_us * us + launch
-    bounds["backward.reduce"] = "HBM / program copy rate"
+    bwd["swiglu"] = np.full(n, swiglu_bytes / hbm + launch) if saved_h13 else zero
+    bounds["backward.swiglu"] = "HBM: G, h1 | h3 in; h, dh1, dh3 out" if saved_h13 else "(in the dH tiles)"
+    bwd["gather"] = np.where(copies, 0.0, rows_rank.max() * 2 * d * b * 2 / hbm + launch)
+    bounds["backward.gather"] = "HBM (none when the dH tasks copy the slot rows)"
+    da_remote = bm * c["da_block_n"][:, None] * b * remote_share[None, :]
+    da_wait = np.where(~c["da_defer_release"][:, None], hw.release_us * us + da_remote / per_prog, 0.0)
+    da_tma = c["da_tma"] & (h % c["da_block_k"] == 0) & (b == 2)
+    da = gemm("da", d, 2 * h, 1, c["da_block_n"], c["da_block_k"], c["da_num_warps"], c["da_num_stages"],
+              c["da_programs_per_sm"], 2 * h * b, b, extra_tile_s=da_wait,
+              eff_scale=np.where(da_tma, hw.tma_speedup, 1.0))
+    bwd["da"] = slowest(np.maximum(da, combine_link[None, :])) + launch
+    bounds["backward.da"] = "GEMM dA = dh1 w1 + dh3 w3; and its rows back over NVLink"
+    breduce_read = t_max * k * d * b
+    bwd["reduce"] = ((breduce_read + t_max * d * b) / reduce_rate + reduce_tasks / grid * hw.release_us * us
+                     + launch)
+    bounds["backward.reduce"] = "program copy rate / HBM"
     wgrad_flops = 3 * 2 * rows_rank.max() * d * h
+    wgrad_bytes = 3 * el * d * h * b + rows_rank.max() * (2 * d + 3 * h) * b
     grouped = c["wgrad_backend"] != "triton"
-    t_grouped = wgrad_flops / (hw.peak_tflops * 1e12 * hw.grouped_mm_efficiency) + 6 * launch
-    w13_eff = _efficiency(hw, "wgrad_w13", c["wgrad_w13_block_m"], c["wgrad_w13_block_n"], c["wgrad_w13_block_k"],
-                          c["wgrad_w13_num_warps"], c["wgrad_w13_num_stages"], 1)
-    w2_eff = _efficiency(hw, "wgrad_w2", c["wgrad_w2_block_m"], c["wgrad_w2_block_n"], c["wgrad_w2_block_k"],
-                         c["wgrad_w2_num_warps"], c["wgrad_w2_num_stages"], 1)
-    t_triton = (2 / 3 * wgrad_flops / (hw.peak_tflops * 1e12 * w13_eff)
-                + 1 / 3 * wgrad_flops / (hw.peak_tflops * 1e12 * w2_eff) + 2 * launch)
-    bwd["wgrad"] = np.where(grouped, t_grouped, t_triton)
-    bounds["backward.wgrad"] = "GEMM (torch._grouped_mm or the Triton kernel)"
+    t_grouped = roofline(wgrad_flops / (hw.peak_tflops * 1e12 * hw.grouped_mm_efficiency), wgrad_bytes / hbm)
+    w13 = _efficiency(hw, "wgrad_w13", c["wgrad_w13_block_m"], c["wgrad_w13_block_n"] * 2, c["wgrad_w13_block_k"],
+                      c["wgrad_w13_num_warps"], c["wgrad_w13_num_stages"], 1)
+    w2 = _efficiency(hw, "wgrad_w2", c["wgrad_w2_block_m"], c["wgrad_w2_block_n"], c["wgrad_w2_block_k"],
+                     c["wgrad_w2_num_warps"], c["wgrad_w2_num_stages"], 1)
+    t_triton = roofline(wgrad_flops / (hw.peak_tflops * 1e12) * (2 / 3 / w13 + 1 / 3 / w2), wgrad_bytes / hbm)
+    bwd["wgrad"] = np.where(grouped, t_grouped + 3 * launch, t_triton + 2 * launch)
+    bounds["backward.wgrad"] = "GEMM (torch._grouped_mm where it runs, else the Triton kernel)"
 
     for direction, stages in (("forward", fwd), ("backward", bwd)):
         for stage in stages:
-            stages[stage] = stages[stage] * hw.stage_scale.get(f"{direction}.{stage}", 1.0)
+            scale = hw.stage_scale.get(f"{direction}.{stage}", hw.stage_scale.get(direction, 1.0))
+            stages[stage] = stages[stage] * scale
 
-    # ---- the schedule: sequential sums; fused overlaps inside launches ----
+    # ---- the schedule ----
     if schedule == "sequential":
-        f_total = sum(fwd.values())
-        b_total = sum(bwd.values())
-        exposed_f = dict(fwd)
-        exposed_b = dict(bwd)
+        exposed_f, exposed_b = dict(fwd), dict(bwd)
     else:
-        # dispatch_fc1: dispatch-first runs both back to back in one launch;
-        # hybrid: dispatchers send while the others take tiles, tiles wait
-        # for rows, so only part of the dispatch hides behind GEMM work.
-        hybrid_disp, _ = dispatch_time(d * b, dispatchers)
-        fc1_rest = fwd["fc1"] - launch
-        hybrid = np.maximum(hybrid_disp, (1 - hw.dispatch_overlap) * hybrid_disp
-                            + fc1_rest * grid / np.maximum(grid - dispatchers * (1 - hw.dispatch_overlap), 1))
-        a_launch = np.where(dispatch_first, (fwd["dispatch"] - launch) + fc1_rest, hybrid) + launch
-        exposed_f = {"exchange": fwd["exchange"], "dispatch": a_launch - fc1_rest - launch, "fc1": fc1_rest + launch}
-        # fc2_combine: the reduce tail waits for each token's last row
-        tail = 0.5
-        fc2_part = fwd["fc2"] + np.where(staged | presum, 0.5 * fwd["combine"], 0.0)
-        exposed_f.update(fc2=fc2_part, combine=np.where(staged | presum, 0.5 * fwd["combine"], 0.0),
-                         reduce=tail * (fwd["reduce"] - launch))
+        # dispatch_fc1 in one launch. Dispatch-first: every program copies,
+        # then takes tiles. Otherwise dispatch_programs copy while the rest
+        # take tiles, which find their rows only part of the time
+        # (dispatch_overlap); local_first: every program copies its own rows
+        # first, the dispatchers the rest.
+        dispatchers = np.minimum(c["dispatch_programs"], grid).astype(float)
+        first = c["dispatch_programs"] >= grid
+        fc1_t = fwd["fc1"] - launch
+        hybrid = slowest(copy_rows(d * b, dispatchers, own=False))
+        own = slowest(rows_own[None, :] * d * b / np.minimum(grid * per_prog, hbm / 2)[:, None])
+        hybrid = np.where(c["local_first"], own + hybrid, slowest(copy_rows(d * b, dispatchers)))
+        hidden = hw.dispatch_overlap * (grid - dispatchers) / grid
+        disp_exposed = np.where(first, fwd["dispatch"] - launch, hybrid * (1 - hidden))
+        exposed_f = {"exchange": fwd["exchange"], "dispatch": disp_exposed, "fc1": fc1_t + launch}
+        # fc2_combine in one launch: the combine's sends run beside the tiles,
+        # the reduce tail waits for each token's last row
         exposed_f["fc2"] = fwd["fc2"]
-        f_total = sum(exposed_f.values())
-        # dispatch_dh: every program dispatches first, then dH tiles
+        exposed_f["combine"] = fwd["combine"] * (1 - hw.combine_overlap)
+        exposed_f["reduce"] = (fwd["reduce"] - launch) * hw.reduce_tail
+        # dispatch_dh: every program dispatches first (with local_first: own rows first)
         exposed_b = dict(bwd)
-        exposed_b["reduce"] = tail * (bwd["reduce"] - launch)
-        b_total = sum(exposed_b.values())
+        exposed_b["dispatch"] = bwd["dispatch"] - launch
+        exposed_b["reduce"] = (bwd["reduce"] - launch) * hw.reduce_tail
+    f_total = sum(exposed_f.values())
+    b_total = sum(exposed_b.values())
 
     exposed = {f"forward.{k}": v for k, v in exposed_f.items()}
     exposed.update({f"backward.{k}": v for k, v in exposed_b.items()})
