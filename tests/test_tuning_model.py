@@ -95,7 +95,7 @@ def test_measured_variants_fit_and_the_one_that_did_not_fit_is_rejected():
     (dict(fc1_block_n=256, fc1_block_k=128, fc1_num_stages=4), ("dispatch_fc1", "shared memory")),
     (dict(fc2_block_n=256, fc2_num_warps=4), ("fc2_combine", "accumulator registers")),
     (dict(fc2_block_n=128, fc2_num_warps=8, fc2_programs_per_sm=2), ("fc2_combine", "registers", "max_registers")),
-    (dict(da_block_k=64, da_programs_per_sm=2), ("da_combine", "2 programs", "per SM")),
+    (dict(da_block_k=64, da_num_warps=4, da_programs_per_sm=2), ("da_combine", "2 program(s) x 192 KiB", "per SM")),
     (dict(num_programs=200, dispatch_programs=8, combine_send_programs=8), ("num_programs", "SMs")),
     (dict(combine="staged", combine_send_programs=1024), ("combine_send_programs", "grid")),
 ])

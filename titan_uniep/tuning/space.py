@@ -312,8 +312,8 @@ def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | Non
     that span fields (again, for points built without validation), the grid
     (every program resident: ``num_programs`` at most the SMs, above the
     staged combine's send programs), and per kernel that ``programs_per_sm``
-    programs fit one SM: shared memory ``<= hw.smem_per_block`` per program
-    and ``<= hw.smem_per_sm`` together, fp32 accumulators plus
+    programs fit one SM: shared memory plus the per-block reserve within
+    ``hw.smem_per_sm`` together (``hw.smem_per_block`` for one), fp32 accumulators plus
     ``REGISTER_FLOOR`` within the register cap (or 255), registers times
     threads within ``hw.registers_per_sm``. Kernels a backward with
     ``saved_h13`` does not run (the recomputing dH tile, the Triton weight
@@ -345,12 +345,13 @@ def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | Non
 
 def _kernel_misfit(prog: Program, hw: HardwareConstants) -> str | None:
     """Why ``prog.per_sm`` programs of one kernel do not fit an SM of ``hw``, or None."""
-    if prog.smem_bytes > hw.smem_per_block:
-        return (f"{prog.smem_bytes // 1024} KiB of shared memory per program exceeds {hw.smem_per_block // 1024} "
-                "KiB per block (smaller tiles, K step or fewer stages)")
-    if prog.smem_bytes * prog.per_sm > hw.smem_per_sm:
-        return (f"{prog.per_sm} programs x {prog.smem_bytes // 1024} KiB of shared memory exceed "
-                f"{hw.smem_per_sm // 1024} KiB per SM (fewer programs per SM or smaller tiles)")
+    # Each resident block also holds the driver's reserve (smem_per_sm - smem_per_block, 1 KiB on an H200),
+    # so one program may take smem_per_block and n programs n x (theirs + the reserve).
+    reserve = hw.smem_per_sm - hw.smem_per_block
+    if (prog.smem_bytes + reserve) * prog.per_sm > hw.smem_per_sm:
+        return (f"{prog.per_sm} program(s) x {prog.smem_bytes / 1024:.0f} KiB of shared memory exceed "
+                f"{hw.smem_per_sm // 1024} KiB per SM ({hw.smem_per_block // 1024} KiB for one program; smaller "
+                "tiles, K step, fewer stages or fewer programs per SM)")
     cap = prog.max_registers or hw.max_registers_per_thread
     if prog.acc_registers + REGISTER_FLOOR > cap:
         return (f"{prog.acc_registers} fp32 accumulator registers per thread do not fit a cap of {cap} (more warps "
