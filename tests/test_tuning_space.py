@@ -44,7 +44,7 @@ if not isinstance(tl.standard.cdiv, InterpretedFunction):
 
 SEED = 20261201 + int(os.environ.get("UNIEP_TUNING_SEED", "0"))
 DIM, HIDDEN = 32, 24  # H = 24: a masked column block at 16-wide tiles
-WORLDS = {1: dict(E=4, K=2, T=[6]), 2: dict(E=4, K=2, T=[4, 3]), 4: dict(E=4, K=2, T=[3, 0, 3, 2])}
+WORLDS = {1: dict(E=4, K=2, T=[6]), 2: dict(E=4, K=3, T=[4, 3]), 4: dict(E=4, K=2, T=[3, 0, 3, 2])}
 # The interpreter's tiles, 32 wide where the cost is in the number of programs (the K steps stay 16:
 # two K steps over D = 32); samples draw 16- and 32-wide tiles.
 BASE = interpreter_params(fc1_block_n=32, fc2_block_n=32, dh_block_n=32, da_block_n=32, wgrad_w13_block_m=32,
