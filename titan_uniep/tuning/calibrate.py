@@ -325,7 +325,7 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
             if not found:
                 continue
             direction = "forward" if kernel in ("fc1", "fc2") else "backward"
-            key = _params_tile_key(kernel, params)
+            key = _params_tile_key(kernel, params, hidden)
             probe = dataclasses.replace(hw, gemm_efficiency=dict(hw.gemm_efficiency))
 
             def stage_ms(eff, kernel=kernel, key=key, probe=probe, direction=direction):
@@ -373,18 +373,18 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
     return hw
 
 
-def _params_tile_key(kernel: str, p: LayerParams) -> str:
+def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:
     """``tile_key`` of the tile configuration ``p`` gives ``kernel`` (as the model reads it)."""
     if kernel == "fc1":
         return tile_key("fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k, p.fc1_num_warps, p.fc1_num_stages, 1)
     if kernel == "fc2":
-        return tile_key("fc2", p.block_m, p.fc2_block_n, p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages,
-                        p.fc2_programs_per_sm)
+        return tile_key("fc2_tma" if p.fc2_tma and hidden % 8 == 0 else "fc2", p.block_m, p.fc2_block_n,
+                        p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages, p.fc2_programs_per_sm)
     if kernel == "dh":
         return tile_key("dh", p.block_m, p.dh_block_n, p.dh_block_k, p.dh_num_warps, p.dh_num_stages,
                         p.dh_programs_per_sm)
-    return tile_key("da", p.block_m, p.da_block_n, p.da_block_k, p.da_num_warps, p.da_num_stages,
-                    p.da_programs_per_sm)
+    return tile_key("da_tma" if p.da_tma and hidden % p.da_block_k == 0 else "da", p.block_m, p.da_block_n,
+                    p.da_block_k, p.da_num_warps, p.da_num_stages, p.da_programs_per_sm)
 
 
 def _event_ms(fn, reps: int) -> float:

@@ -23,7 +23,10 @@ __all__ = ["HardwareConstants", "default_constants", "load_constants", "save_con
 
 
 def tile_key(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int = 1) -> str:
-    """The key of one GEMM tile configuration in ``HardwareConstants.gemm_efficiency``."""
+    """The key of one GEMM tile configuration in ``HardwareConstants.gemm_efficiency``:
+    ``kernel`` one of ``fc1``, ``fc2``, ``dh``, ``dh_recompute``, ``da``, ``wgrad_w13``,
+    ``wgrad_w2``, with ``_tma`` appended for descriptor loads (``fc2_tma``, ``da_tma``);
+    ``bn`` counts every accumulator's columns (fc1: 2 x ``fc1_block_n``)."""
     return f"{kernel}:{bm}x{bn}x{bk}:w{warps}:s{stages}:p{per_sm}"
 
 
@@ -57,7 +60,7 @@ class HardwareConstants:
     dispatch_overlap: float  # fraction of the dispatch a hybrid fused launch hides behind GEMM tiles
     grouped_mm_efficiency: float  # torch._grouped_mm on the weight gradients, fraction of peak
     roofline_p: float  # a launch's compute and memory times t_c, t_m overlap as (t_c^p + t_m^p)^(1/p)
-    tma_speedup: float  # efficiency factor of descriptor operand loads over pointer loads
+    tma_speedup: float  # descriptor operand loads against pointer loads, for tiles not calibrated with them
     one_pass_dh_efficiency: float  # the recomputing dH tile in one K-loop (three accumulators) against two
     combine_overlap: float  # fraction of the staged / presum combine hidden behind fc2 tiles (fused)
     reduce_tail: float  # fraction of a reduce launch left after the GEMM tiles (fused)

@@ -379,14 +379,14 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         return np.maximum(link_t[None, :], moved[None, :] / rate) + tasks / programs[:, None] * 2 * hw.release_us * us
 
     def gemm(kernel, n_total, k_total, mats, bn, bk, warps, stages, per_sm, a_row_bytes, out_elem_bytes,
-             extra_tile_s=0.0, extra_bytes=0.0, eff_scale=1.0) -> np.ndarray:
+             extra_tile_s=0.0, extra_bytes=0.0, eff_scale=1.0, tma=False) -> np.ndarray:
         """``(N, W)``: the GEMM tiles of one launch, ``mats`` weight matrices of
         ``k_total x n_total`` per expert (one accumulator each). Compute: tiles in
         waves over ``grid * per_sm`` programs, ``ceil(k_total / bk)`` MMA steps each
         at the tile's efficiency plus a fixed cost (and ``extra_tile_s``) that a
         second program per SM hides; memory: the experts' weights once per
         row-tile group, the rows, the outputs (and ``extra_bytes``)."""
-        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm) * eff_scale
+        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm, tma) * eff_scale
         col_blocks = np.ceil(n_total / bn)[:, None]
         flops = 2 * bm * bn[:, None] * k_total * mats
         t_mma = flops / (peak_sm * eff[:, None])
@@ -424,7 +424,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     fc2_wait = np.where((direct & ~c["fc2_defer_release"])[:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
     fc2_local = gemm("fc2", d, h, 1, c["fc2_block_n"], c["fc2_block_k"], c["fc2_num_warps"], c["fc2_num_stages"],
                      c["fc2_programs_per_sm"], h * b, b, extra_tile_s=fc2_wait,
-                     eff_scale=np.where(c["fc2_tma"] & (b == 2), hw.tma_speedup, 1.0))
+                     tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0))
     combine_link = np.maximum(back_out, back_in) * d * b / link if w > 1 else np.zeros(w)
     fc2 = np.where(direct[:, None], np.maximum(fc2_local, combine_link[None, :]), fc2_local)
     fwd["fc2"] = slowest(fc2) + launch
@@ -476,7 +476,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     da_tma = c["da_tma"] & (h % c["da_block_k"] == 0) & (b == 2)
     da = gemm("da", d, 2 * h, 1, c["da_block_n"], c["da_block_k"], c["da_num_warps"], c["da_num_stages"],
               c["da_programs_per_sm"], 2 * h * b, b, extra_tile_s=da_wait,
-              eff_scale=np.where(da_tma, hw.tma_speedup, 1.0))
+              tma=da_tma)
     bwd["da"] = slowest(np.maximum(da, combine_link[None, :])) + launch
     bounds["backward.da"] = "GEMM dA = dh1 w1 + dh3 w3; and its rows back over NVLink"
     breduce_read = t_max * k * d * b
@@ -537,19 +537,23 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
                   {k: full(v) for k, v in exposed.items()}, bounds, full(f_total), full(b_total))
 
 
-def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, per_sm) -> np.ndarray:
+def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, per_sm, tma=False) -> np.ndarray:
     """``hw.tile_efficiency`` over columns of points: calibrated keys looked up
-    per distinct configuration, the formula elsewhere."""
+    per distinct configuration (kernel ``"<kernel>_tma"`` where ``tma``: its
+    operands through tensor descriptors), the formula elsewhere (times
+    ``hw.tma_speedup`` with descriptors)."""
     bm, bn, bk, warps, stages = (np.broadcast_to(np.asarray(x), np.shape(bm)).astype(int)
                                  for x in (bm, bn, bk, warps, stages))
     per_sm = np.broadcast_to(np.asarray(per_sm), bm.shape).astype(int)
-    eff = _tile_efficiency(bm, bn, bk, warps, stages) * 1.0
+    tma = np.broadcast_to(np.asarray(tma, dtype=bool), bm.shape)
+    eff = _tile_efficiency(bm, bn, bk, warps, stages) * np.where(tma, hw.tma_speedup, 1.0)
     if hw.gemm_efficiency:
-        configs = np.stack([bm, bn, bk, warps, stages, per_sm], axis=1)
+        configs = np.stack([bm, bn, bk, warps, stages, per_sm, tma.astype(int)], axis=1)
         unique, inverse = np.unique(configs, axis=0, return_inverse=True)
         inverse = inverse.reshape(-1)
         for j, cfg in enumerate(unique):
-            key = tile_key(kernel, *(int(x) for x in cfg))
+            *tile, with_tma = (int(x) for x in cfg)
+            key = tile_key(kernel + ("_tma" if with_tma else ""), *tile)
             if key in hw.gemm_efficiency:
                 eff[inverse == j] = hw.gemm_efficiency[key]
     return np.maximum(eff, 1e-3)
