@@ -12,11 +12,14 @@ GEMMs' K-loops are against the bytes each row moves); ``default_params``
 returns the entry for a shape. Why each default is what it is, with the
 measurements: ``docs/design.md``, "Decisions".
 
-Which fields can change bits: every field is a *schedule* choice (when a task
-runs, which program runs it, how a tile is loaded) except the GEMMs' K steps
-(``*_block_k``), which set the fp32 summation order of the interpreter's and
-the tensor cores' partial products, ``combine = "presum"`` (per-rank fp32
-partial sums) and ``wgrad_backend``.
+Which fields can change bits: ``titan_uniep.tuning.space.FIELDS`` is the one
+table (schedule, numerics, mixed, fixed; with the evidence). In short, every
+field is a *schedule* choice (when a task runs, which program runs it, how a
+tile is loaded) except the GEMMs' K steps (``*_block_k``), which set the fp32
+summation order of the partial products, the dH tile width ``dh_block_n``
+(the router-score gradient sums one partial per dH column block),
+``combine = "presum"`` (per-rank fp32 partial sums), ``reduce_block_dim``
+below 256 (da_combine's score-gradient steps) and ``wgrad_backend``.
 """
 
 from __future__ import annotations
@@ -212,11 +215,11 @@ class LayerParams:
             raise ValueError(f"LayerParams.local_first_experts must be in [0, 1], got {self.local_first_experts}")
         if not self.timeout_s > 0:
             raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
-        if self.num_programs is not None and self.num_programs <= max(self.dispatch_programs,
-                                                                      self.combine_send_programs):
+        # (dispatch_programs may reach the grid: every program then dispatches first)
+        if self.num_programs is not None and self.num_programs <= self.combine_send_programs:
             raise ValueError(
-                f"LayerParams.num_programs ({self.num_programs}) must exceed dispatch_programs "
-                f"({self.dispatch_programs}) and combine_send_programs ({self.combine_send_programs})"
+                f"LayerParams.num_programs ({self.num_programs}) must exceed combine_send_programs "
+                f"({self.combine_send_programs}): the staged combine's send-only programs are the grid's last"
             )
 
 

@@ -1,0 +1,80 @@
+"""Which optional paths the analytic model would pick, per shape: a Markdown table.
+
+    python scripts/variant_report.py                                   # uncalibrated H200 constants
+    python scripts/variant_report.py --constants h200.json --worlds 1,2,4 --shapes qwen3,deepseek,mixtral
+
+For every optional path of the layer (``VARIANTS``: the staged and the
+pre-summed combine, descriptor loads in fc2 and dA, deferred releases, own
+rows first, dispatch-first, two programs per SM, the dH tasks' slot-row
+copy, the recomputing backward), the best predicted forward + backward time
+over the search grid (``tuning.space.enumerate_points``; with
+``numerics=True`` for the paths that change bits) with the path on and with
+it off, and the model's verdict. A path the model never picks on any shape
+is a candidate for removal once the GPU measurements agree (issue 13, item 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_uniep.tuning.model import RoutingStats, default_constants, load_constants, rank  # noqa: E402
+from titan_uniep.tuning.space import LayerShape, enumerate_points  # noqa: E402
+
+SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256, 8),
+          "mixtral": (8192, 4096, 14336, 8, 2)}
+
+# name: (is the path on for a point, needs the numerics grid)
+VARIANTS = {
+    "staged combine": (lambda p: p.combine == "staged", False),
+    "pre-summed combine": (lambda p: p.combine == "presum", True),
+    "fc2 descriptor loads": (lambda p: p.fc2_tma, False),
+    "dA descriptor loads": (lambda p: p.da_tma, False),
+    "fc2 deferred release": (lambda p: p.fc2_defer_release, False),
+    "dA deferred release": (lambda p: p.da_defer_release, False),
+    "own rows first": (lambda p: p.local_first, False),
+    "dispatch-first (fc1)": (lambda p: p.dispatch_programs >= 1024, False),
+    "fc2 two programs per SM": (lambda p: p.fc2_programs_per_sm > 1, False),
+    "dA two programs per SM": (lambda p: p.da_programs_per_sm > 1, False),
+    "dH tasks copy the slot rows": (lambda p: p.dh_copies_rows, False),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--constants", help="calibrated constants (default: uncalibrated H200)")
+    ap.add_argument("--shapes", default="qwen3,deepseek,mixtral")
+    ap.add_argument("--worlds", default="2")
+    args = ap.parse_args()
+    hw = load_constants(args.constants) if args.constants else default_constants("NVIDIA H200")
+    print(f"constants: {hw.source}\n")
+    print("| shape | W | path | best with (ms) | best without (ms) | model picks it |")
+    print("|---|---|---|---|---|---|")
+    for name in args.shapes.split(","):
+        t, d, h, e, k = SHAPES[name]
+        for world in (int(w) for w in args.worlds.split(",")):
+            shape = LayerShape(t, d, h, e, k, world, 2)
+            stats = RoutingStats.uniform(t, e, k, world)
+            grids = {}
+            for numerics in (False, True):
+                points = list(enumerate_points(shape, numerics=numerics, hw=hw))
+                grids[numerics] = [(p, r.total) for p, r in rank(shape, stats, world, points, hw)]
+            for variant, (on, numerics) in VARIANTS.items():
+                ranked = grids[numerics]
+                with_ = next((ms for p, ms in ranked if on(p)), None)
+                without = next((ms for p, ms in ranked if not on(p)), None)
+                picks = "n/a" if with_ is None or without is None else ("yes" if with_ < without else "no")
+                fmt = lambda v: "infeasible" if v is None else f"{v:.3f}"  # noqa: E731
+                print(f"| {name} | {world} | {variant} | {fmt(with_)} | {fmt(without)} | {picks} |")
+            saved = rank(shape, stats, world, [shape.default_params()], hw)[0][1].total
+            again = rank(shape, stats, world, [shape.default_params()], hw, saved_h13=False)[0][1].total
+            print(f"| {name} | {world} | recomputing backward (defaults) | {again:.3f} | {saved:.3f} | "
+                  f"{'yes' if again < saved else 'no'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The tuner's constraints, grid and analytic model (CPU, no kernels).
+
+Constraints: what the H200 runs is feasible (the tuned defaults, the
+measured two-programs-per-SM variants), what it cannot run is rejected with
+the reason (shared memory, registers, grid residency, the field
+constraints). Grid: 10^4 points or more per shape, all feasible, all with
+the base point's numerics. Model: ranks 10^4 points in under a second, grows
+with tokens and with EP traffic, explains every stage, reproduces the
+routing's byte counts of ``layout.py``, and stays near the measured layer
+times of ``docs/performance.md`` before any calibration.
+"""
+
+import dataclasses
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
+from titan_uniep.params import DEFAULTS, LayerParams, default_params
+from titan_uniep.tuning import calibrate
+from titan_uniep.tuning.model import (
+    BACKWARD_STAGES,
+    FORWARD_STAGES,
+    RoutingStats,
+    default_constants,
+    load_constants,
+    predict,
+    rank,
+    save_constants,
+)
+from titan_uniep.tuning.space import (
+    FIELDS,
+    LayerShape,
+    _build,
+    enumerate_points,
+    feasible,
+    keeps_bits,
+    numerics_fields,
+    sample,
+    schedule_fields,
+)
+
+H200 = default_constants("NVIDIA H200")
+# docs/performance.md's bench shapes: T per rank, D, H, E, K
+SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256, 8),
+          "mixtral": (8192, 4096, 14336, 8, 2)}
+
+
+def layer(name: str, world: int = 2, tokens: int | None = None) -> tuple[LayerShape, RoutingStats]:
+    t, d, h, e, k = SHAPES[name]
+    t = tokens or t
+    return LayerShape(t, d, h, e, k, world, 2), RoutingStats.uniform(t, e, k, world)
+
+
+# ---- the table ---------------------------------------------------------------------
+
+
+def test_every_layer_params_field_has_one_kind():
+    assert set(FIELDS) == {f.name for f in dataclasses.fields(LayerParams)}
+    schedule, numerics = set(schedule_fields()), set(numerics_fields())
+    assert {"fc1_block_k", "fc2_block_k", "dh_block_k", "da_block_k", "dh_block_n", "wgrad_backend"} <= numerics - schedule
+    assert {"combine", "reduce_block_dim"} <= schedule & numerics  # mixed: some values keep the bits
+    assert {"block_m", "fc1_block_n", "local_first", "dh_two_pass", "fc2_tma", "da_tma"} <= schedule - numerics
+    base = LayerParams()
+    assert keeps_bits(base.replace(combine="staged"), base) is None
+    assert keeps_bits(base.replace(combine="presum"), base) == "combine"
+    assert keeps_bits(base.replace(reduce_block_dim=1024), base) is None  # 512 and 1024: 256 in da_combine
+    assert keeps_bits(base.replace(reduce_block_dim=128), base) == "reduce_block_dim"
+
+
+# ---- constraints -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tuned_defaults_are_feasible_on_an_h200(name, world):
+    shape, _ = layer(name, world)
+    assert feasible(default_params(world, hidden=shape.hidden), shape, H200) is None
+
+
+def test_measured_variants_fit_and_the_one_that_did_not_fit_is_rejected():
+    shape, _ = layer("qwen3")
+    base = DEFAULTS[(2, "short")]
+    # docs/design.md: fc2 at 8 warps, maxnreg 128, two per SM ran; dA 256 wide "does not fit the shared memory"
+    assert feasible(base.replace(fc2_num_warps=8, fc2_max_registers=128), shape, H200) is None
+    why = feasible(DEFAULTS[(2, "long")].replace(da_block_n=256), shape, H200)
+    assert why and "da_combine" in why and "shared memory" in why, why
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(fc1_block_n=256, fc1_block_k=128, fc1_num_stages=4), ("dispatch_fc1", "shared memory")),
+    (dict(fc2_block_n=256, fc2_num_warps=4), ("fc2_combine", "accumulator registers")),
+    (dict(fc2_block_n=128, fc2_num_warps=8, fc2_programs_per_sm=2), ("fc2_combine", "registers", "max_registers")),
+    (dict(da_block_k=64, da_num_warps=4, da_programs_per_sm=2), ("da_combine", "2 program(s) x 192 KiB", "per SM")),
+    (dict(num_programs=200, dispatch_programs=8, combine_send_programs=8), ("num_programs", "SMs")),
+    (dict(combine="staged", combine_send_programs=1024), ("combine_send_programs", "grid")),
+])
+def test_infeasible_points_are_rejected_with_their_reason(changes, words):
+    shape, _ = layer("qwen3")
+    point = LayerParams().replace(**changes)
+    why = feasible(point, shape, H200)
+    assert why is not None and all(w in why for w in words), why
+
+
+def test_cross_field_constraints_reject_even_unvalidated_points():
+    shape, _ = layer("qwen3")
+    with pytest.raises(ValueError, match="reduce_block_tokens"):
+        LayerParams(combine="presum", block_m=16, reduce_block_tokens=32)
+    unvalidated = _build(LayerParams(), dict(combine="presum", block_m=16, reduce_block_tokens=32))
+    assert "reduce_block_tokens" in feasible(unvalidated, shape, None)
+    assert "combine_send_programs" in feasible(_build(LayerParams(), dict(combine="staged", num_programs=4,
+                                                                           combine_send_programs=4)), shape, None)
+    # every program dispatching first is a valid point with an explicit grid too
+    assert LayerParams(num_programs=4, dispatch_programs=1024, combine_send_programs=1).num_programs == 4
+
+
+def test_samples_are_valid_feasible_and_keep_the_numerics():
+    shape, _ = layer("deepseek")
+    base = shape.default_params()
+    rng = random.Random(5)
+    for _ in range(50):
+        point = sample(rng, shape, hw=H200)
+        assert feasible(point, shape, H200) is None and keeps_bits(point, base) is None
+        assert LayerParams(**point.__dict__) == point
+
+
+# ---- the grid ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_grid_has_10k_feasible_distinct_points_with_the_base_numerics(name):
+    shape, _ = layer(name)
+    base = shape.default_params()
+    points = list(enumerate_points(shape, limit=10_000))
+    assert len(points) == 10_000
+    assert len({tuple(p.__dict__.values()) for p in points}) == len(points)
+    for point in random.Random(3).sample(points, 200):
+        assert feasible(point, shape, H200) is None
+        assert keeps_bits(point, base) is None
+        assert LayerParams(**point.__dict__) == point  # every grid value passes the field checks
+    opted = list(enumerate_points(shape, numerics=True, limit=20_000))
+    assert any(keeps_bits(p, base) for p in opted)
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+
+def test_ranks_10k_points_in_under_a_second():
+    shape, stats = layer("qwen3")
+    points = list(enumerate_points(shape, limit=10_000))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        ranking = rank(shape, stats, 2, points, H200)
+        best = min(best, time.perf_counter() - start)
+    assert len(ranking) == 10_000
+    totals = [p.total for _, p in ranking[:50]]
+    assert totals == sorted(totals)
+    assert best < 1.0, f"ranking 10^4 points took {best:.2f} s"
+
+
+def test_rank_agrees_with_predict_point_by_point():
+    shape, stats = layer("deepseek")
+    points = list(enumerate_points(shape, limit=300))[::37]
+    ranking = rank(shape, stats, 2, points, H200)
+    for params, pred in ranking:
+        alone = predict(shape, stats, 2, params, H200)
+        assert alone.forward == pred.forward and alone.backward == pred.backward
+        assert alone.total == pytest.approx(pred.total)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("schedule", ["fused", "sequential"])
+def test_time_grows_with_tokens(name, schedule):
+    totals = []
+    for tokens in (512, 1024, 2048, 4096, 8192):
+        shape, stats = layer(name, tokens=tokens)
+        pred = predict(shape, stats, 2, shape.default_params(), H200, schedule=schedule)
+        totals.append((pred.forward_total, pred.backward_total))
+    for (f0, b0), (f1, b1) in zip(totals, totals[1:]):
+        assert f1 > f0 and b1 > b0, totals
+
+
+def test_more_ranks_send_more_and_dispatch_longer():
+    sent, dispatch = [], []
+    for world in (2, 4, 8):
+        shape, stats = layer("qwen3", world)
+        sent.append(stats.dedup_bytes(shape.dim, 2).sum(axis=1).max())
+        dispatch.append(predict(shape, stats, world, shape.default_params(), H200).forward["dispatch"])
+    assert sent[0] < sent[1] < sent[2] and dispatch[0] < dispatch[1] < dispatch[2], (sent, dispatch)
+    shape, stats = layer("qwen3", 1)
+    assert stats.dedup_bytes(shape.dim, 2).sum() == 0
+
+
+def test_skewed_routing_is_slower_than_balanced():
+    shape, uniform = layer("qwen3")
+    gen = torch.Generator().manual_seed(0)
+    t, e, k = shape.tokens, shape.num_experts, shape.top_k
+    hot = [torch.rand(t, e // 2, generator=gen).argsort(1)[:, :k] for _ in range(2)]  # every copy to rank 0
+    skewed = RoutingStats.from_indices(hot, e, 2)
+    params = shape.default_params()
+    assert predict(shape, skewed, 2, params, H200).total > 1.3 * predict(shape, uniform, 2, params, H200).total
+
+
+def test_routing_stats_count_what_the_layout_sends():
+    world, experts, top_k, tokens = 4, 16, 3, 200
+    gen = torch.Generator().manual_seed(11)
+    indices = [torch.rand(tokens - 37 * r, experts, generator=gen).argsort(1)[:, :top_k] for r in range(world)]
+    counts_all = torch.stack([count_per_expert(i, experts) for i in indices])
+    stats = RoutingStats.from_indices(indices, experts, world)
+    for r, idx in enumerate(indices):
+        lay = compute_layout(idx, counts_all, r)
+        assert np.array_equal(stats.send_copies[r], lay.send_counts.numpy())
+        assert np.array_equal(stats.send_rows[r], token_destinations(lay).sum(0).numpy())
+        assert stats.tokens[r] == len(idx)
+    assert np.array_equal(stats.expert_rows, counts_all.sum(0).numpy())
+    big = RoutingStats.from_indices([torch.rand(20000, experts, generator=gen).argsort(1)[:, :top_k]
+                                     for _ in range(world)], experts, world)
+    uniform = RoutingStats.uniform(20000, experts, top_k, world)
+    for name in ("expert_rows", "send_rows", "send_copies"):
+        np.testing.assert_allclose(getattr(big, name), getattr(uniform, name), rtol=0.03)
+
+
+def test_prediction_table_explains_every_stage():
+    shape, stats = layer("qwen3")
+    pred = predict(shape, stats, 2, shape.default_params(), H200)
+    table = pred.table()
+    for direction, stages in (("forward", FORWARD_STAGES), ("backward", BACKWARD_STAGES)):
+        assert tuple(getattr(pred, direction)) == stages
+        for stage in stages:
+            assert f"| {direction}.{stage} |" in table
+    assert f"**{pred.total:.4f}**" in table
+    assert pred.forward_total <= sum(pred.forward.values())  # the fused schedule overlaps, never adds
+    seq = predict(shape, stats, 2, shape.default_params(), H200, schedule="sequential")
+    assert seq.forward_total == pytest.approx(sum(seq.forward.values()))
+
+
+# measured on 2 x H200, docs/performance.md (fused forward, fused backward alone; ms)
+MEASURED = {"qwen3": (1.513, 3.07), "deepseek": (6.717, 15.86), "mixtral": (9.414, 21.94)}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_uncalibrated_model_is_near_the_measured_h200_times(name):
+    shape, stats = layer(name)
+    pred = predict(shape, stats, 2, shape.default_params(), H200)
+    forward, backward = MEASURED[name]
+    assert pred.forward_total == pytest.approx(forward, rel=0.25)
+    assert pred.backward_total == pytest.approx(backward, rel=0.25)
+
+
+def test_constants_round_trip_and_unknown_keys_are_rejected(tmp_path):
+    hw = dataclasses.replace(H200, gemm_efficiency={"fc1:128x256x64:w8:s3:p1": 0.6}, stage_scale={"forward.fc1": 1.1})
+    path = tmp_path / "hw.json"
+    save_constants(hw, path)
+    assert load_constants(path) == hw
+    path.write_text(json.dumps({"name": "NVIDIA H200", "hbm_gbs": 1.0}))
+    with pytest.raises(ValueError, match="hbm_gbs"):
+        load_constants(path)
+
+
+def test_fit_recovers_a_stage_scale_and_check_flags_a_bad_model():
+    shape, _ = layer("qwen3")
+    records = []
+    for changes in ({}, {"dispatch_programs": 16}, {"fc2_block_n": 256, "fc2_num_warps": 8, "fc2_programs_per_sm": 1}):
+        probe = calibrate.measurement_record(shape, changes, {"forward": 1, "backward": 1, "forward.fc2": 1},
+                                             schedule="sequential")
+        pred = calibrate.record_prediction(probe, H200)
+        measured = dict(pred, **{"forward.fc2": 1.3 * pred["forward.fc2"]})
+        measured["forward"] += 0.3 * pred["forward.fc2"]
+        records.append(calibrate.measurement_record(shape, changes, measured, schedule="sequential"))
+    _, ok = calibrate.check(H200, records, tolerance=0.01)
+    assert not ok
+    fitted = calibrate.fit(H200, records)
+    assert fitted.stage_scale["forward.fc2"] == pytest.approx(1.3, rel=1e-6)
+    table, ok = calibrate.check(fitted, records, tolerance=0.01)
+    assert ok, table

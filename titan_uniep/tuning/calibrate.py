@@ -1,0 +1,509 @@
+"""Measure the analytic model's hardware constants on a GPU, fit them to
+measured layer times, and check the model against measurements.
+
+    python -m titan_uniep.tuning.calibrate --out h200.json             # one GPU, about 3 min (cold Triton cache)
+    python -m titan_uniep.tuning.calibrate --out h200.json --tiles grid   # every tile of the search grid
+    torchrun --standalone --nproc_per_node 2 -m titan_uniep.tuning.calibrate --out h200_x2.json
+    python -m titan_uniep.tuning.calibrate fit --constants h200.json --measurements m.json --out h200_fit.json
+    python -m titan_uniep.tuning.calibrate check --constants h200_fit.json --measurements m.json
+
+``measure`` (the default) starts from ``default_constants(<GPU name>)`` and
+replaces what it measures:
+
+- the GPU's limits (SMs, shared memory per SM and per block, registers);
+- ``hbm_gbps``: a 1 GiB device copy (read + write bytes over time);
+- ``launch_us``: back-to-back launches of a one-element kernel;
+- per tile configuration of the project's own kernels (``--tiles
+  defaults``: the tuned defaults of every shape class; ``grid``: also every
+  tile choice of ``space.GRID_STAGES``), the GEMM efficiency that makes the
+  model reproduce the kernel's measured time on dense rows: a simulated
+  one-rank world (every expert local, balanced routing), the sequential
+  schedule, each launch's device time from the profiler (fc1, fc2, dH, dA;
+  ``tile_key`` per configuration). The ``grouped_mm`` weight gradients give
+  ``grouped_mm_efficiency``; the dispatch launch with 8 programs gives
+  ``copy_gbps_per_program``;
+- with a process group of more than one GPU (torchrun): ``nvlink_gbps``
+  (every rank copies 256 MiB into its next peer's symmetric buffer at once)
+  and ``exchange_us`` (the counts exchange kernel of a tiny real-EP
+  forward). On one GPU they keep the uncalibrated figures and ``source``
+  says so.
+
+``fit`` sets ``stage_scale`` from measurements: per stage the geometric mean
+of measured over predicted (sequential records with per-stage times), then
+``dispatch_overlap`` and ``reduce_tail`` by a grid search on the fused
+records' totals. ``check`` prints predicted against measured per record
+and stage and exits 1 when a total is off by more than ``--tolerance``.
+
+Measurements are a JSON list of records (``measurement_record`` builds one):
+
+    {"shape": {"tokens": 8192, "dim": 2048, "hidden": 768, "num_experts": 128,
+               "top_k": 8, "ep_size": 2, "dtype_bytes": 2},
+     "params": {"dispatch_programs": 32},      # LayerParams fields over the shape's defaults
+     "routing": "uniform",                      # or RoutingStats' arrays: tokens, expert_rows,
+                                                # send_rows, send_copies (lists)
+     "schedule": "fused", "saved_h13": true,
+     "measured": {"forward": 1.52, "backward": 3.07,     # ms, the slowest rank
+                  "forward.fc1": 0.77, ...}}             # optional stages (sequential launches)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..params import LayerParams
+from .hardware import HardwareConstants, default_constants, load_constants, save_constants, tile_key
+from .model import RoutingStats, predict
+from .space import GRID_STAGES, LayerShape
+
+__all__ = ["check", "fit", "measurement_record", "measure", "record_prediction"]
+
+
+# ---- records --------------------------------------------------------------------
+
+
+def measurement_record(shape: LayerShape, params: dict, measured: dict[str, float], *, schedule: str = "fused",
+                       saved_h13: bool = True, routing: RoutingStats | None = None) -> dict:
+    """One measurement for ``fit`` / ``check``: ``params`` are LayerParams
+    fields over ``shape.default_params()``; ``measured`` in ms (``"forward"``,
+    ``"backward"``, optional ``"forward.fc1"``-style stages); ``routing``
+    None: balanced (``RoutingStats.uniform``)."""
+    if routing is None:
+        route = "uniform"
+    else:
+        route = {name: np.asarray(getattr(routing, name)).tolist()
+                 for name in ("tokens", "expert_rows", "send_rows", "send_copies")}
+    return dict(shape=dataclasses.asdict(shape), params=dict(params), routing=route, schedule=schedule,
+                saved_h13=saved_h13, measured=dict(measured))
+
+
+def _record_inputs(record: dict):
+    shape = LayerShape(**record["shape"])
+    params = shape.default_params().replace(**record.get("params", {}))
+    routing = record.get("routing", "uniform")
+    if routing == "uniform":
+        stats = RoutingStats.uniform(shape.tokens, shape.num_experts, shape.top_k, shape.ep_size)
+    else:
+        stats = RoutingStats(shape.top_k, *(np.asarray(routing[n], dtype=float)
+                                            for n in ("tokens", "expert_rows", "send_rows", "send_copies")))
+    return shape, params, stats
+
+
+def record_prediction(record: dict, hw: HardwareConstants) -> dict[str, float]:
+    """The model's figures for the keys a record measured (ms)."""
+    shape, params, stats = _record_inputs(record)
+    pred = predict(shape, stats, shape.ep_size, params, hw, schedule=record.get("schedule", "fused"),
+                   saved_h13=record.get("saved_h13", True))
+    out = {"forward": pred.forward_total, "backward": pred.backward_total}
+    out.update({f"forward.{s}": v for s, v in pred.forward.items()})
+    out.update({f"backward.{s}": v for s, v in pred.backward.items()})
+    return {key: out[key] for key in record["measured"] if key in out}
+
+
+# ---- fit and check -----------------------------------------------------------------
+
+
+def fit(hw: HardwareConstants, records: list[dict]) -> HardwareConstants:
+    """``hw`` fitted to ``records``: ``stage_scale`` per measured stage (the
+    geometric mean of measured over predicted), ``dispatch_overlap`` and
+    ``reduce_tail`` (grid search on the fused records' totals, least squared
+    log error), then per direction a scale of the stages no record measured
+    (``stage_scale["forward"]`` / ``["backward"]``) that brings the totals'
+    geometric-mean ratio to 1."""
+    base = dataclasses.replace(hw, stage_scale={})
+    ratios: dict[str, list[float]] = {}
+    for record in records:
+        pred = record_prediction(record, base)
+        for key, measured in record["measured"].items():
+            if "." in key and key in pred and pred[key] > 0 and measured > 0:
+                ratios.setdefault(key, []).append(measured / pred[key])
+    scale = {key: float(math.exp(np.mean(np.log(r)))) for key, r in ratios.items()}
+    fitted = dataclasses.replace(base, stage_scale=scale)
+
+    def log_errors(candidate: HardwareConstants, direction: str, schedules=("fused", "sequential")) -> list[float]:
+        errs = []
+        for record in records:
+            if record.get("schedule", "fused") in schedules and direction in record["measured"]:
+                pred = record_prediction(record, candidate)
+                errs.append(math.log(record["measured"][direction] / pred[direction]))
+        return errs
+
+    if any(r.get("schedule", "fused") == "fused" for r in records):
+        grid = [(o, t) for o in np.linspace(0.0, 1.0, 11) for t in np.linspace(0.0, 1.0, 11)]
+
+        def loss(ot) -> float:
+            candidate = dataclasses.replace(fitted, dispatch_overlap=float(ot[0]), reduce_tail=float(ot[1]))
+            return sum(e * e for d in ("forward", "backward") for e in log_errors(candidate, d, ("fused",)))
+
+        best = min(grid, key=loss)
+        fitted = dataclasses.replace(fitted, dispatch_overlap=float(best[0]), reduce_tail=float(best[1]))
+    for direction in ("forward", "backward"):
+        for _ in range(8):  # the unmeasured stages are only part of a total: iterate to the fixed point
+            errs = log_errors(fitted, direction)
+            if not errs or abs(np.mean(errs)) < 1e-4:
+                break
+            scale = dict(fitted.stage_scale)
+            scale[direction] = scale.get(direction, 1.0) * float(math.exp(np.mean(errs)))
+            fitted = dataclasses.replace(fitted, stage_scale=scale)
+    fitted.source = f"{hw.source}; fitted to {len(records)} measurements"
+    return fitted
+
+
+def check(hw: HardwareConstants, records: list[dict], tolerance: float = 0.15) -> tuple[str, bool]:
+    """A Markdown table of predicted against measured per record and key,
+    and whether every total (``forward``, ``backward``) is within
+    ``tolerance`` (relative)."""
+    lines = ["| record | key | measured (ms) | predicted (ms) | error |", "|---|---|---|---|---|"]
+    ok = True
+    for i, record in enumerate(records):
+        pred = record_prediction(record, hw)
+        s = record["shape"]
+        name = (f"{i}: T={s['tokens']} D={s['dim']} H={s['hidden']} E={s['num_experts']} K={s['top_k']} "
+                f"W={s['ep_size']} {record.get('schedule', 'fused')} {record.get('params', {})}")
+        for key, measured in record["measured"].items():
+            if key not in pred:
+                continue
+            err = pred[key] / measured - 1 if measured else float("inf")
+            bad = key in ("forward", "backward") and abs(err) > tolerance
+            ok &= not bad
+            lines.append(f"| {name} | {key} | {measured:.4f} | {pred[key]:.4f} | {err:+.1%}{' **over**' if bad else ''} |")
+            name = ""
+    return "\n".join(lines), ok
+
+
+# ---- measure (GPU) -----------------------------------------------------------------
+
+
+def _kernel_times(fn, reps: int = 5) -> list[tuple[str, float]]:
+    """(kernel name, ms) of every CUDA kernel one ``fn()`` call launches, in
+    launch order: the median over ``reps`` profiled calls after a warm-up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not events or len(events) % reps:
+        raise RuntimeError(f"profiled {len(events)} kernels over {reps} calls: not one sequence per call")
+    per_call = len(events) // reps
+    out = []
+    for j in range(per_call):
+        times = sorted(events[i * per_call + j].time_range.elapsed_us() / 1e3 for i in range(reps))
+        out.append((events[j].name, times[reps // 2]))
+    return out
+
+
+def _named(times: list[tuple[str, float]], name: str) -> list[float]:
+    return [ms for kernel, ms in times if name in kernel]
+
+
+def _solve_efficiency(stage_ms: float, predict_ms, lo: float = 0.02, hi: float = 1.0) -> float:
+    """The efficiency ``e`` with ``predict_ms(e) == stage_ms`` (bisection; the
+    prediction falls as ``e`` grows); clamped to ``[lo, hi]``."""
+    if predict_ms(hi) >= stage_ms:
+        return hi
+    if predict_ms(lo) <= stage_ms:
+        return lo
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if predict_ms(mid) > stage_ms else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def _tile_configs(which: str) -> list[dict]:
+    """LayerParams overrides to measure: the defaults of every shape class, and with
+    ``"grid"`` every tile choice of the search grid."""
+    from ..params import DEFAULTS
+
+    configs = [dict()]
+    for params in DEFAULTS.values():
+        configs.append({f.name: getattr(params, f.name) for f in dataclasses.fields(LayerParams)
+                        if getattr(params, f.name) != getattr(LayerParams(), f.name)})
+    if which == "grid":
+        for names, combos in GRID_STAGES.items():
+            if names[0].startswith(("fc1", "fc2", "dh", "da")):
+                configs += [dict(zip(names, combo)) for combo in combos]
+    unique = []
+    for c in configs:
+        if c not in unique:
+            unique.append(c)
+    return unique
+
+
+def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> HardwareConstants:
+    """The constants of this process's GPU (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    import triton
+    import triton.language as tl
+
+    from ..runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    hw = default_constants(props.name)
+    hw.sm_count = props.multi_processor_count
+    hw.smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", hw.smem_per_sm))
+    hw.smem_per_block = int(getattr(props, "shared_memory_per_block_optin", hw.smem_per_block))
+    hw.registers_per_sm = int(getattr(props, "regs_per_multiprocessor", hw.registers_per_sm))
+    hw.max_threads_per_sm = int(getattr(props, "max_threads_per_multi_processor", hw.max_threads_per_sm))
+    measured = ["limits"]
+
+    # HBM: a 1 GiB copy
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = _event_ms(lambda: dst.copy_(src), reps=10)
+    hw.hbm_gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
+    src = dst = None
+    measured.append("hbm")
+    log(f"HBM copy: {hw.hbm_gbps:.0f} GB/s")
+
+    # launch latency: back-to-back one-element kernels
+    @triton.jit
+    def _touch(ptr):
+        tl.store(ptr, tl.load(ptr) + 1)
+
+    cell = torch.zeros(1, dtype=torch.int32, device=dev)
+    launches = 200
+    ms = _event_ms(lambda: [_touch[(1,)](cell) for _ in range(launches)], reps=5)
+    hw.launch_us = ms * 1e3 / launches
+    measured.append("launch")
+    log(f"launch: {hw.launch_us:.2f} us")
+
+    # GEMM tiles on dense rows: a simulated one-rank world, every expert local
+    num_experts, top_k, dim, hidden = 8, 2, 4096, 2048
+    gen = torch.Generator(device=dev).manual_seed(7)
+    dtype = torch.bfloat16
+    x = torch.randn(1, tokens, dim, generator=gen, device=dev).to(dtype)
+    grad = torch.randn(1, tokens, dim, generator=gen, device=dev).to(dtype)
+    w1 = (torch.randn(1, num_experts, hidden, dim, generator=gen, device=dev) * dim**-0.5).to(dtype)
+    w3 = (torch.randn(1, num_experts, hidden, dim, generator=gen, device=dev) * dim**-0.5).to(dtype)
+    w2 = (torch.randn(1, num_experts, dim, hidden, generator=gen, device=dev) * hidden**-0.5).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, num_experts, generator=gen, device=dev), 1)
+    scores, indices = (t.contiguous() for t in probs.topk(top_k, dim=1))
+    shape = LayerShape(tokens, dim, hidden, num_experts, top_k, 1, 2)
+    stats = RoutingStats.from_indices([indices.cpu().numpy()], num_experts, 1)
+    for overrides in _tile_configs(tiles):
+        params = LayerParams().replace(**overrides)
+        try:
+            ws = Workspace.simulated(1, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
+                                     top_k=top_k, dtype=dtype, device=dev, params=params)
+            bws = BackwardWorkspace.simulated(1, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
+                                              top_k=top_k, dtype=dtype, device=dev, params=params)
+            h13 = torch.empty(1, ws.shape.slot_capacity, 2 * hidden, dtype=dtype, device=dev)
+
+            def forward():
+                simulated_moe_forward(x, [scores], [indices], w1, w2, w3, schedule="sequential",
+                                      score_before_experts=False, params=params, workspace=ws, saved_h13=h13,
+                                      error_check="lazy")
+
+            def backward():
+                simulated_moe_backward(grad, x, [scores], [indices], w1, w2, w3, schedule="sequential",
+                                       score_before_experts=False, params=params, workspace=bws, saved_h13=h13,
+                                       error_check="lazy")
+
+            fwd, bwd = _kernel_times(forward), _kernel_times(backward)
+        except Exception as err:  # a configuration that does not compile or run here: skip it, say so
+            log(f"tiles {overrides}: skipped ({type(err).__name__}: {err})")
+            continue
+        stages = {
+            "fc1": _named(fwd, "dispatch_fc1")[1:2], "fc2": _named(fwd, "fc2_combine")[:1],
+            "dh": _named(bwd, "dispatch_dh")[1:2], "da": _named(bwd, "da_combine")[:1],
+        }
+        for kernel, found in stages.items():
+            if not found:
+                continue
+            direction = "forward" if kernel in ("fc1", "fc2") else "backward"
+            key = _params_tile_key(kernel, params, hidden)
+            probe = dataclasses.replace(hw, gemm_efficiency=dict(hw.gemm_efficiency))
+
+            def stage_ms(eff, kernel=kernel, key=key, probe=probe, direction=direction):
+                probe.gemm_efficiency[key] = eff
+                pred = predict(shape, stats, 1, params, probe, schedule="sequential")
+                return getattr(pred, direction)[kernel] - hw.launch_us * 1e-3
+
+            hw.gemm_efficiency[key] = round(_solve_efficiency(found[0], stage_ms), 4)
+            log(f"{key}: {found[0]:.3f} ms -> efficiency {hw.gemm_efficiency[key]:.3f}")
+        if not overrides:
+            dispatch = _named(fwd, "dispatch_fc1")[:1]
+            # grouped_mm weight gradients: the kernels between da_combine's launches
+            da_at = [i for i, (name, _) in enumerate(bwd) if "da_combine" in name]
+            wgrad = sum(ms for _, ms in bwd[da_at[0] + 1:da_at[-1]]) if len(da_at) >= 2 else 0.0
+            if wgrad > 0:
+                probe = dataclasses.replace(hw)
+
+                def wgrad_ms(eff, probe=probe):
+                    probe.grouped_mm_efficiency = eff
+                    return predict(shape, stats, 1, params, probe, schedule="sequential").backward["wgrad"]
+
+                hw.grouped_mm_efficiency = round(_solve_efficiency(wgrad, wgrad_ms), 4)
+                log(f"grouped_mm weight gradients: {wgrad:.3f} ms -> efficiency {hw.grouped_mm_efficiency:.3f}")
+            if dispatch:
+                few = params.replace(num_programs=8, combine_send_programs=1)
+                ws_few = Workspace.simulated(1, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
+                                             top_k=top_k, dtype=dtype, device=dev, params=few)
+                slow = _named(_kernel_times(lambda: simulated_moe_forward(
+                    x, [scores], [indices], w1, w2, w3, schedule="sequential", score_before_experts=False,
+                    params=few, workspace=ws_few, error_check="lazy")), "dispatch_fc1")[0]
+                hw.copy_gbps_per_program = tokens * dim * 2 / (slow * 1e-3) / 8 / 1e9
+                log(f"dispatch with 8 programs: {slow:.3f} ms -> {hw.copy_gbps_per_program:.1f} GB/s per program")
+        measured.append("tiles")
+        torch.cuda.empty_cache()
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        hw.nvlink_gbps = _nvlink_gbps(dev)
+        hw.exchange_us = _exchange_us(dev)
+        measured.append("nvlink+exchange")
+        log(f"NVLink: {hw.nvlink_gbps:.0f} GB/s per GPU and direction; counts exchange {hw.exchange_us:.1f} us")
+        ep = f"measured over {dist.get_world_size()} GPUs"
+    else:
+        ep = "NVLink and the counts exchange not measured (one GPU: run under torchrun for them)"
+    hw.source = f"calibrated on {props.name} ({', '.join(dict.fromkeys(measured))}; {ep})"
+    return hw
+
+
+def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:
+    """``tile_key`` of the tile configuration ``p`` gives ``kernel`` (as the model reads it)."""
+    if kernel == "fc1":
+        return tile_key("fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k, p.fc1_num_warps, p.fc1_num_stages, 1)
+    if kernel == "fc2":
+        return tile_key("fc2_tma" if p.fc2_tma and hidden % 8 == 0 else "fc2", p.block_m, p.fc2_block_n,
+                        p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages, p.fc2_programs_per_sm)
+    if kernel == "dh":
+        return tile_key("dh", p.block_m, p.dh_block_n, p.dh_block_k, p.dh_num_warps, p.dh_num_stages,
+                        p.dh_programs_per_sm)
+    return tile_key("da_tma" if p.da_tma and hidden % p.da_block_k == 0 else "da", p.block_m, p.da_block_n,
+                    p.da_block_k, p.da_num_warps, p.da_num_stages, p.da_programs_per_sm)
+
+
+def _event_ms(fn, reps: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+def _nvlink_gbps(dev) -> float:
+    """Every rank copies 256 MiB into the next rank's symmetric buffer at once: bytes over time, slowest rank."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = 256 << 20
+    buf = symm_mem.empty(size, dtype=torch.uint8, device=dev)
+    handle = symm_mem.rendezvous(buf, group)
+    peer = handle.get_buffer((rank + 1) % world, (size,), torch.uint8)
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev)
+    dist.barrier()
+    ms = _event_ms(lambda: peer.copy_(src), reps=10)
+    slowest = torch.tensor([ms], device=dev)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return size / (float(slowest.item()) * 1e-3) / 1e9
+
+
+def _exchange_us(dev) -> float:
+    """The counts exchange kernel's device time in a tiny real-EP forward (it includes the wait for peers)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime import Workspace, moe_forward
+
+    world = dist.get_world_size()
+    tokens, dim, hidden, experts, top_k = 64, 256, 256, 2 * world, 2
+    ws = Workspace.for_group(dist.group.WORLD, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=experts,
+                             top_k=top_k, dtype=torch.bfloat16, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(dist.get_rank())
+    x = torch.randn(tokens, dim, generator=gen, device=dev).to(torch.bfloat16)
+    probs = torch.softmax(torch.randn(tokens, experts, generator=gen, device=dev), 1)
+    scores, indices = probs.topk(top_k, dim=1)
+    w1 = torch.randn(experts // world, hidden, dim, generator=gen, device=dev).to(torch.bfloat16) * 0.05
+    w3 = torch.randn(experts // world, hidden, dim, generator=gen, device=dev).to(torch.bfloat16) * 0.05
+    w2 = torch.randn(experts // world, dim, hidden, generator=gen, device=dev).to(torch.bfloat16) * 0.05
+
+    def call():
+        dist.barrier()
+        moe_forward(x, scores, indices, w1, w2, w3, workspace=ws, schedule="fused", score_before_experts=False)
+
+    times = _named(_kernel_times(call), "exchange_counts")
+    return 1e3 * (times[0] if times else float("nan"))
+
+
+# ---- command line ----------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in ("measure", "fit", "check") else "measure"
+    ap = argparse.ArgumentParser(prog=f"python -m titan_uniep.tuning.calibrate {command}",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if command == "measure":
+        ap.add_argument("--out", required=True, help="JSON file for the constants")
+        ap.add_argument("--tiles", choices=("defaults", "grid"), default="defaults",
+                        help="tile configurations to measure (grid: every one of space.GRID_STAGES; slower)")
+        ap.add_argument("--tokens", type=int, default=8192, help="tokens of the dense calibration layer")
+    else:
+        ap.add_argument("--constants", help="constants JSON (default: the uncalibrated H200 constants)")
+        ap.add_argument("--measurements", required=True, help="JSON list of measurement records")
+        if command == "fit":
+            ap.add_argument("--out", required=True, help="JSON file for the fitted constants")
+        else:
+            ap.add_argument("--tolerance", type=float, default=0.15, help="largest relative error of a total")
+    args = ap.parse_args(argv)
+
+    if command == "measure":
+        import torch
+        import torch.distributed as dist
+
+        if not torch.cuda.is_available():
+            ap.error("measure needs a CUDA GPU (fit and check run anywhere)")
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        hw = measure(tiles=args.tiles, tokens=args.tokens, log=print if rank == 0 else (lambda *a: None))
+        if rank == 0:
+            save_constants(hw, args.out)
+            print(f"wrote {args.out}: {hw.source}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 0
+    hw = load_constants(args.constants) if args.constants else default_constants("NVIDIA H200")
+    records = json.loads(Path(args.measurements).read_text())
+    if command == "fit":
+        fitted = fit(hw, records)
+        save_constants(fitted, args.out)
+        table, _ = check(fitted, records)
+        print(table)
+        print(f"wrote {args.out}: stage_scale {fitted.stage_scale}, dispatch_overlap {fitted.dispatch_overlap}, "
+              f"reduce_tail {fitted.reduce_tail}")
+        return 0
+    table, ok = check(hw, records, args.tolerance)
+    print(table)
+    print(f"{'every' if ok else 'NOT every'} total within {args.tolerance:.0%} ({hw.source})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""The tuning space of one UniEP layer: every ``LayerParams`` field, what a
+change of it may do to the bits, the values a search tries, and the
+constraints between fields on a given GPU.
+
+This table is the one place that says which fields are *schedule* fields
+(when a task runs, which program runs it, how an operand is loaded: a change
+never changes a bit of any output or gradient) and which are *numerics*
+fields (they set an fp32 summation order: another value gives other, equally
+deterministic bits). A search walks schedule fields only, unless its caller
+opts in to numerics fields (``numerics=True``), so a cached or searched
+point never changes a training run's loss curve.
+
+Kinds (``FIELDS[name].kind``):
+
+- ``"schedule"``: any value keeps the bits;
+- ``"numerics"``: another value may change bits: the GEMMs' K steps
+  (``*_block_k``), the dH tile width ``dh_block_n`` (the router-score
+  gradient, scores after the experts, sums one fp32 partial per dH column
+  block), ``wgrad_backend`` (``torch._grouped_mm`` or the Triton kernel);
+- ``"mixed"``: some values keep the bits, others not; ``Field.order_key``
+  maps a value to what sets the summation order, and a change keeps the
+  bits iff the key stays: ``combine`` (``"direct"`` and ``"staged"`` store
+  the same rows; ``"presum"`` sums per rank first) and ``reduce_block_dim``
+  (da_combine's reduce takes ``min(reduce_block_dim, 256)`` columns a step
+  with scores before the experts and sums ``<x, dA>`` per step);
+- ``"fixed"``: waits and testing hooks, never searched.
+
+Besides ``LayerParams``, one choice of the layer is numerics too: the
+recomputing backward (``saved_h13=None`` to ``runtime.backward``), which on
+an H200 changes the router-score gradient (scores after the experts: its
+partials are summed in the dH tile's layout instead of the SwiGLU pass's);
+``LAYER_CHOICES`` lists it, the model predicts both.
+
+Evidence for each kind: ``scripts/check_schedule_bits.py`` varies one field
+at a time on tiny shapes (interpreter, fp32; or bf16 on a GPU) and reports
+which outputs change; ``tests/test_tuning_space.py`` samples random schedule
+points and compares every output and gradient with the default point's bits.
+
+``LayerShape`` is a layer's shape as the tuner sees it; ``feasible`` is the
+constraint check (shared memory and registers per program times programs per
+SM, grid residency, divisibility), ``sample`` draws a random valid point,
+``enumerate_points`` yields the grid the analytic model ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal
+
+from ..params import LayerParams, default_params
+from .hardware import HardwareConstants, default_constants
+
+__all__ = [
+    "FIELDS",
+    "LAYER_CHOICES",
+    "Field",
+    "LayerShape",
+    "enumerate_points",
+    "feasible",
+    "fixed_fields",
+    "keeps_bits",
+    "numerics_fields",
+    "resources",
+    "sample",
+    "schedule_fields",
+]
+
+Kind = Literal["schedule", "numerics", "mixed", "fixed"]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer as the tuner sees it: ``tokens`` per rank and call,
+    ``dim`` D, expert ``hidden`` H, ``num_experts`` E (all ranks), ``top_k``
+    K, EP size ``ep_size`` W, ``dtype_bytes`` per activation element (2 for
+    bf16 / fp16, 4 for fp32)."""
+
+    tokens: int
+    dim: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    ep_size: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "hidden", "num_experts", "top_k", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LayerShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tokens < 0:
+            raise ValueError(f"LayerShape.tokens must be >= 0, got {self.tokens}")
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"LayerShape.num_experts ({self.num_experts}) must be divisible by ep_size "
+                             f"({self.ep_size})")
+        if self.dtype_bytes not in (2, 4):
+            raise ValueError(f"LayerShape.dtype_bytes must be 2 or 4, got {self.dtype_bytes}")
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def default_params(self) -> LayerParams:
+        """The tuned defaults of this shape (``params.default_params``)."""
+        return default_params(self.ep_size, hidden=self.hidden)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One ``LayerParams`` field in the space: its ``kind`` (module
+    docstring), the ``values`` a random sample may take (the valid range,
+    small tiles included for interpreter shapes), the stage whose kernel
+    reads it, and for ``"mixed"`` fields the ``order_key`` (value -> what
+    sets the summation order)."""
+
+    kind: Kind
+    values: tuple
+    stage: str
+    order_key: Callable[[Any], Any] | None = None
+
+
+_TILES = (16, 32, 64, 128, 256)
+_K_STEPS = (16, 32, 64, 128)
+_WARPS = (4, 8)
+_STAGES = (2, 3, 4)
+_BOOL = (False, True)
+_REGS = (None, 128, 168, 232)
+
+FIELDS: dict[str, Field] = {
+    # ---- grid and layout ----
+    "block_m": Field("schedule", _TILES, "all"),
+    "num_programs": Field("schedule", (None,), "all"),  # sample(): also explicit grids below the SM count
+    "group_m": Field("schedule", (1, 2, 4, 8, 16), "all"),
+    # ---- dispatch ----
+    "dispatch_programs": Field("schedule", (1, 2, 4, 8, 16, 32, 64, 1024), "dispatch"),
+    "dispatch_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "dispatch"),
+    "dispatch_block_dim": Field("schedule", (16, 32, 64, 128, 256, 512, 1024), "dispatch"),
+    "local_first": Field("schedule", _BOOL, "dispatch"),
+    "local_first_experts": Field("schedule", (0.0, 0.25, 0.5, 1.0), "dispatch"),
+    # ---- fc1 ----
+    "fc1_block_n": Field("schedule", _TILES, "fc1"),
+    "fc1_block_k": Field("numerics", _K_STEPS, "fc1"),
+    "fc1_num_warps": Field("schedule", _WARPS, "fc1"),
+    "fc1_num_stages": Field("schedule", _STAGES, "fc1"),
+    # ---- fc2 ----
+    "fc2_block_n": Field("schedule", _TILES, "fc2"),
+    "fc2_block_k": Field("numerics", _K_STEPS, "fc2"),
+    "fc2_num_warps": Field("schedule", _WARPS, "fc2"),
+    "fc2_num_stages": Field("schedule", _STAGES, "fc2"),
+    "fc2_programs_per_sm": Field("schedule", (1, 2), "fc2"),
+    "fc2_max_registers": Field("schedule", _REGS, "fc2"),
+    "fc2_tma": Field("schedule", _BOOL, "fc2"),
+    "fc2_defer_release": Field("schedule", _BOOL, "fc2"),
+    # ---- combine and reduce ----
+    "combine": Field("mixed", ("direct", "staged", "presum"), "combine", order_key=lambda v: v == "presum"),
+    "combine_send_programs": Field("schedule", (1, 2, 4, 8, 16, 32), "combine"),
+    "reduce_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "reduce"),
+    "reduce_block_dim": Field("mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce", order_key=lambda v: min(v, 256)),
+    # ---- dH ----
+    "dh_block_n": Field("numerics", _TILES, "dh"),
+    "dh_block_k": Field("numerics", _K_STEPS, "dh"),
+    "dh_two_pass": Field("schedule", _BOOL, "dh"),
+    "dh_num_warps": Field("schedule", _WARPS, "dh"),
+    "dh_num_stages": Field("schedule", _STAGES, "dh"),
+    "dh_programs_per_sm": Field("schedule", (1, 2), "dh"),
+    "dh_copies_rows": Field("schedule", _BOOL, "dh"),
+    # ---- dA ----
+    "da_block_n": Field("schedule", _TILES, "da"),
+    "da_block_k": Field("numerics", _K_STEPS, "da"),
+    "da_num_warps": Field("schedule", _WARPS, "da"),
+    "da_num_stages": Field("schedule", _STAGES, "da"),
+    "da_programs_per_sm": Field("schedule", (1, 2), "da"),
+    "da_max_registers": Field("schedule", _REGS, "da"),
+    "da_tma": Field("schedule", _BOOL, "da"),
+    "da_defer_release": Field("schedule", _BOOL, "da"),
+    # ---- weight gradients ----
+    "wgrad_backend": Field("numerics", ("auto", "grouped_mm", "triton"), "wgrad"),
+    "wgrad_w13_block_m": Field("schedule", _TILES, "wgrad"),
+    "wgrad_w13_block_n": Field("schedule", _TILES, "wgrad"),
+    "wgrad_w13_block_k": Field("numerics", _K_STEPS, "wgrad"),
+    "wgrad_w13_num_warps": Field("schedule", _WARPS, "wgrad"),
+    "wgrad_w13_num_stages": Field("schedule", (2, 3, 4, 5), "wgrad"),
+    "wgrad_w2_block_m": Field("schedule", _TILES, "wgrad"),
+    "wgrad_w2_block_n": Field("schedule", _TILES, "wgrad"),
+    "wgrad_w2_block_k": Field("numerics", _K_STEPS, "wgrad"),
+    "wgrad_w2_num_warps": Field("schedule", _WARPS, "wgrad"),
+    "wgrad_w2_num_stages": Field("schedule", (2, 3, 4, 5), "wgrad"),
+    # ---- waits and testing hooks ----
+    "timeout_s": Field("fixed", (30.0,), "all"),
+    "interpreter_max_spins": Field("fixed", (10_000,), "all"),
+    "debug_silent_rank": Field("fixed", (-1,), "all"),
+}
+
+LAYER_CHOICES: dict[str, Field] = {
+    # The forward saves each slot's h1 | h3 for the backward (the op always
+    # does); False: the backward recomputes them (runtime.backward with
+    # saved_h13=None): two GEMMs more, S * 2H elements less kept per layer.
+    "saved_h13": Field("numerics", (True, False), "dh"),
+}
+
+_missing = {f.name for f in dataclasses.fields(LayerParams)} ^ set(FIELDS)
+if _missing:  # a field added to LayerParams must be classified here (and the other way round)
+    raise RuntimeError(f"titan_uniep.tuning.space.FIELDS and LayerParams disagree on {sorted(_missing)}")
+
+
+def schedule_fields() -> tuple[str, ...]:
+    """Fields a search may change without changing a bit (``"mixed"`` ones
+    included: for them only the values with the base's ``order_key``)."""
+    return tuple(n for n, f in FIELDS.items() if f.kind in ("schedule", "mixed"))
+
+
+def numerics_fields() -> tuple[str, ...]:
+    """Fields whose other values may change bits (``"mixed"`` ones included)."""
+    return tuple(n for n, f in FIELDS.items() if f.kind in ("numerics", "mixed"))
+
+
+def fixed_fields() -> tuple[str, ...]:
+    return tuple(n for n, f in FIELDS.items() if f.kind == "fixed")
+
+
+def keeps_bits(params: LayerParams, base: LayerParams) -> str | None:
+    """None when ``params`` must give ``base``'s bits (it differs from it in
+    schedule fields only), else the first field that may change them."""
+    for name, field in FIELDS.items():
+        a, b = getattr(params, name), getattr(base, name)
+        if a == b or field.kind == "schedule":
+            continue
+        if field.kind == "mixed" and field.order_key(a) == field.order_key(b):
+            continue
+        return name
+    return None
+
+
+# ---- resources and constraints ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one program of a kernel asks of an SM (estimates from the tiles:
+    the operand ring ``stages * (A tile + B tiles)`` in shared memory, the
+    fp32 accumulators in registers)."""
+
+    smem_bytes: int
+    acc_registers: int  # fp32 accumulator registers per thread
+    threads: int
+    per_sm: int
+    max_registers: int | None  # maxnreg of the launch (None: the compiler's choice)
+
+
+# Registers per thread besides the accumulators, for a residency estimate of
+# programs launched without a register cap (ptxas took fc2 at 128 x 128, 4
+# warps to 218 and dA at 128 x 128 x 32, 4 warps to 238: 90-110 on top of 128).
+REGISTER_OVERHEAD = 96
+# The least a program needs besides its accumulators (addresses, loop state).
+REGISTER_FLOOR = 32
+
+
+def resources(params: LayerParams, shape: LayerShape, *, saved_h13: bool = True) -> dict[str, Program]:
+    """Per kernel (``dispatch_fc1``, ``fc2_combine``, ``dispatch_dh``,
+    ``da_combine``, ``wgrad_w13``, ``wgrad_w2``): shared memory, accumulator
+    registers and programs per SM of one program at ``params``."""
+    p, b = params, shape.dtype_bytes
+
+    def ring(stages: int, a: int, b_tiles: int) -> int:
+        return max(stages, 1) * (a + b_tiles) * b
+
+    def acc(tiles: int, bm: int, bn: int, warps: int) -> int:
+        return tiles * bm * bn // (32 * warps)
+
+    bm = p.block_m
+    progs = {
+        "dispatch_fc1": Program(ring(p.fc1_num_stages, bm * p.fc1_block_k, 2 * p.fc1_block_k * p.fc1_block_n),
+                                acc(2, bm, p.fc1_block_n, p.fc1_num_warps), 32 * p.fc1_num_warps, 1, None),
+        "fc2_combine": Program(ring(p.fc2_num_stages, bm * p.fc2_block_k, p.fc2_block_k * p.fc2_block_n),
+                               acc(1, bm, p.fc2_block_n, p.fc2_num_warps), 32 * p.fc2_num_warps,
+                               p.fc2_programs_per_sm, p.fc2_max_registers),
+        "da_combine": Program(ring(p.da_num_stages, 2 * bm * p.da_block_k, 2 * p.da_block_k * p.da_block_n),
+                              acc(1, bm, p.da_block_n, p.da_num_warps), 32 * p.da_num_warps,
+                              p.da_programs_per_sm, p.da_max_registers),
+    }
+    # saved: G only; two-pass: h1, h3 (then G next to their rounded copies); one pass: all three
+    dh_acc_tiles = 1 if saved_h13 else (2 if p.dh_two_pass else 3)
+    if saved_h13:
+        dh_smem = ring(p.dh_num_stages, bm * p.dh_block_k, p.dh_block_k * p.dh_block_n)
+    elif p.dh_two_pass:  # h1 | h3 loop (x rows, w1, w3), then the G loop (dOut rows, w2)
+        dh_smem = ring(p.dh_num_stages, bm * p.dh_block_k, 2 * p.dh_block_k * p.dh_block_n)
+    else:  # one loop over x and dOut rows, w1, w3, w2
+        dh_smem = ring(p.dh_num_stages, 2 * bm * p.dh_block_k, 3 * p.dh_block_k * p.dh_block_n)
+    dh_per_sm = p.dh_programs_per_sm if saved_h13 else 1
+    dh_cap = 65536 // (32 * p.dh_num_warps * dh_per_sm) // 8 * 8 if saved_h13 and dh_per_sm > 1 else None
+    progs["dispatch_dh"] = Program(dh_smem, acc(dh_acc_tiles, bm, p.dh_block_n, p.dh_num_warps),
+                                   32 * p.dh_num_warps, dh_per_sm, dh_cap)
+    w = p
+    progs["wgrad_w13"] = Program(
+        ring(w.wgrad_w13_num_stages, 2 * w.wgrad_w13_block_k * w.wgrad_w13_block_m,
+             w.wgrad_w13_block_k * w.wgrad_w13_block_n),
+        acc(2, w.wgrad_w13_block_m, w.wgrad_w13_block_n, w.wgrad_w13_num_warps), 32 * w.wgrad_w13_num_warps, 1, None)
+    progs["wgrad_w2"] = Program(
+        ring(w.wgrad_w2_num_stages, w.wgrad_w2_block_k * w.wgrad_w2_block_m, w.wgrad_w2_block_k * w.wgrad_w2_block_n),
+        acc(1, w.wgrad_w2_block_m, w.wgrad_w2_block_n, w.wgrad_w2_num_warps), 32 * w.wgrad_w2_num_warps, 1, None)
+    return progs
+
+
+def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | None = None,
+             *, saved_h13: bool = True) -> str | None:
+    """None if ``params`` can run ``shape`` on ``hw``, else the reason (the
+    first constraint broken, naming the fields). ``hw`` None: no GPU limits
+    (the CPU interpreter). Checked: the field constraints of ``LayerParams``
+    that span fields (again, for points built without validation), the grid
+    (every program resident: ``num_programs`` at most the SMs, above the
+    staged combine's send programs), and per kernel that ``programs_per_sm``
+    programs fit one SM: shared memory plus the per-block reserve within
+    ``hw.smem_per_sm`` together (``hw.smem_per_block`` for one), fp32 accumulators plus
+    ``REGISTER_FLOOR`` within the register cap (or 255), registers times
+    threads within ``hw.registers_per_sm``. Kernels a backward with
+    ``saved_h13`` does not run (the recomputing dH tile, the Triton weight
+    gradients where ``torch._grouped_mm`` runs) are checked too: a point
+    holds for both backward paths."""
+    p = params
+    if p.combine == "presum" and p.reduce_block_tokens > p.block_m:
+        return (f"reduce_block_tokens ({p.reduce_block_tokens}) must be <= block_m ({p.block_m}) with "
+                "combine='presum'")
+    if p.combine == "staged" and p.num_programs is not None and p.num_programs <= p.combine_send_programs:
+        return (f"num_programs ({p.num_programs}) must exceed combine_send_programs ({p.combine_send_programs}): "
+                "the staged combine's send-only programs would leave no program for the fc2 tiles")
+    if hw is None:
+        return None
+    if p.num_programs is not None and p.num_programs > hw.sm_count:
+        return (f"num_programs ({p.num_programs}) must be at most the SMs ({hw.sm_count}): every spin-wait needs "
+                "the whole grid resident")
+    grid = p.num_programs or hw.sm_count
+    if p.combine == "staged" and p.combine_send_programs >= grid * p.fc2_programs_per_sm:
+        return (f"combine_send_programs ({p.combine_send_programs}) must be below the fc2_combine grid "
+                f"({grid} x fc2_programs_per_sm {p.fc2_programs_per_sm})")
+    for saved in (True, False):
+        for kernel, prog in resources(p, shape, saved_h13=saved).items():
+            reason = _kernel_misfit(prog, hw)
+            if reason:
+                return f"{kernel}{'' if saved else ' (recomputing backward)'}: {reason}"
+    return None
+
+
+def _kernel_misfit(prog: Program, hw: HardwareConstants) -> str | None:
+    """Why ``prog.per_sm`` programs of one kernel do not fit an SM of ``hw``, or None."""
+    # Each resident block also holds the driver's reserve (smem_per_sm - smem_per_block, 1 KiB on an H200),
+    # so one program may take smem_per_block and n programs n x (theirs + the reserve).
+    reserve = hw.smem_per_sm - hw.smem_per_block
+    if (prog.smem_bytes + reserve) * prog.per_sm > hw.smem_per_sm:
+        return (f"{prog.per_sm} program(s) x {prog.smem_bytes / 1024:.0f} KiB of shared memory exceed "
+                f"{hw.smem_per_sm // 1024} KiB per SM ({hw.smem_per_block // 1024} KiB for one program; smaller "
+                "tiles, K step, fewer stages or fewer programs per SM)")
+    cap = prog.max_registers or hw.max_registers_per_thread
+    if prog.acc_registers + REGISTER_FLOOR > cap:
+        return (f"{prog.acc_registers} fp32 accumulator registers per thread do not fit a cap of {cap} (more warps "
+                "or a smaller tile)")
+    if prog.per_sm > 1:
+        used = prog.max_registers or min(hw.max_registers_per_thread, prog.acc_registers + REGISTER_OVERHEAD)
+        if used * prog.threads * prog.per_sm > hw.registers_per_sm:
+            return (f"{prog.per_sm} programs x {prog.threads} threads x ~{used} registers exceed "
+                    f"{hw.registers_per_sm} per SM (set its max_registers, fewer warps or one program per SM)")
+    if prog.threads * prog.per_sm > hw.max_threads_per_sm:
+        return f"{prog.per_sm} x {prog.threads} threads exceed {hw.max_threads_per_sm} per SM"
+    return None
+
+
+# ---- random points ---------------------------------------------------------------
+
+
+def _useful(name: str, value, shape: LayerShape) -> bool:
+    """Whether a tile width is worth trying for ``shape``: at most the next
+    power of two of the dimension it tiles (wider tiles are all masks)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return True
+    dim, hidden = shape.dim, shape.hidden
+    rows = max(1, shape.tokens * shape.top_k * shape.ep_size // shape.local_experts if shape.local_experts else 1)
+    bound = {
+        "block_m": rows, "fc1_block_n": hidden, "fc1_block_k": dim, "fc2_block_n": dim, "fc2_block_k": hidden,
+        "dh_block_n": hidden, "dh_block_k": dim, "da_block_n": dim, "da_block_k": hidden,
+        "wgrad_w13_block_m": hidden, "wgrad_w13_block_n": dim, "wgrad_w2_block_m": dim, "wgrad_w2_block_n": hidden,
+        "wgrad_w13_block_k": rows, "wgrad_w2_block_k": rows, "dispatch_block_dim": dim, "reduce_block_dim": dim,
+        "dispatch_block_tokens": shape.tokens, "reduce_block_tokens": shape.tokens,
+    }.get(name)
+    if bound is None:
+        return True
+    return value <= max(16 if name not in ("dispatch_block_tokens", "reduce_block_tokens") else 1,
+                        1 << max(0, math.ceil(math.log2(max(bound, 1)))))
+
+
+def _allowed(name: str, base_value, numerics: bool, shape: LayerShape) -> list:
+    field = FIELDS[name]
+    if field.kind == "fixed" or (field.kind == "numerics" and not numerics):
+        return [base_value]
+    values = [v for v in field.values if _useful(name, v, shape)]
+    if field.kind == "mixed" and not numerics:
+        values = [v for v in values if field.order_key(v) == field.order_key(base_value)]
+    return values or [base_value]
+
+
+def _build(base: LayerParams, changes: dict) -> LayerParams:
+    """``base`` with ``changes``, without running the field validation again:
+    every value comes from ``FIELDS`` (which hold valid values only) and
+    ``feasible`` checks what spans fields. About 30x cheaper than
+    ``replace`` (the grid builds 10^5 points)."""
+    point = object.__new__(LayerParams)
+    point.__dict__.update(base.__dict__)
+    point.__dict__.update(changes)
+    return point
+
+
+def sample(rng: random.Random, shape: LayerShape, *, numerics: bool = False, base: LayerParams | None = None,
+           hw: HardwareConstants | None = None, tries: int = 1000) -> LayerParams:
+    """A random valid point: every schedule field (and with ``numerics``,
+    every numerics field) drawn from its ``FIELDS`` values (tile widths up to
+    the dimension they tile), the rest as ``base`` (default: the shape's
+    tuned defaults); redrawn until ``feasible(point, shape, hw)``. With
+    ``hw`` None (the interpreter) the grid is explicit: 2 to 4 programs.
+    ``block_m`` is drawn too: the caller builds the workspace with the
+    point (``params.block_m`` sizes it)."""
+    base = base or shape.default_params()
+    for _ in range(tries):
+        changes = {name: rng.choice(_allowed(name, getattr(base, name), numerics, shape)) for name in FIELDS}
+        if hw is None:
+            changes["num_programs"] = rng.choice((2, 3, 4))
+        elif rng.random() < 0.25:
+            changes["num_programs"] = rng.randint(2, hw.sm_count)
+        else:
+            changes["num_programs"] = None
+        if changes["num_programs"] is not None:
+            changes["combine_send_programs"] = min(changes["combine_send_programs"], changes["num_programs"] - 1)
+        point = LayerParams(**{**base.__dict__, **changes})  # validated: a sample is a user-facing point
+        if feasible(point, shape, hw) is None:
+            return point
+    raise RuntimeError(f"no feasible point for {shape} in {tries} draws (hw={getattr(hw, 'name', None)})")
+
+
+# ---- the grid the model ranks --------------------------------------------------------
+
+# The grid: fields shared by the stages, then one tuple of values per stage
+# (the stages' tile choices are few combinations, not a product of fields).
+# Sized so that one shape gives 10^4 - 10^5 feasible points.
+GRID_SHARED: dict[str, tuple] = {
+    "block_m": (64, 128),
+    "group_m": (4, 8),
+    "dispatch_programs": (16, 32, 1024),
+    "dispatch_block_tokens": (16, 32),
+    "local_first": (False, True),
+    "combine": ("direct", "staged"),
+}
+GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
+    ("fc1_block_n", "fc1_num_warps", "fc1_num_stages"): (
+        (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 8, 4), (256, 8, 2)),
+    ("fc2_block_n", "fc2_num_warps", "fc2_num_stages", "fc2_programs_per_sm", "fc2_tma", "fc2_defer_release"): (
+        (256, 8, 3, 1, False, False), (256, 8, 3, 1, True, False), (256, 8, 3, 1, False, True),
+        (128, 4, 3, 2, False, False), (128, 4, 3, 2, True, False), (128, 8, 3, 1, False, False)),
+    ("dh_two_pass", "dh_num_warps", "dh_num_stages", "dh_programs_per_sm", "dh_copies_rows"): (
+        (True, 8, 3, 2, True), (True, 8, 3, 1, True), (True, 8, 3, 2, False), (False, 8, 3, 1, True)),
+    ("da_block_n", "da_num_warps", "da_num_stages", "da_programs_per_sm", "da_tma", "da_defer_release"): (
+        (128, 8, 3, 1, True, False), (128, 8, 3, 1, False, False), (128, 4, 3, 2, True, False),
+        (128, 4, 3, 2, False, False), (128, 8, 3, 1, True, True), (64, 4, 3, 2, True, False)),
+    ("reduce_block_tokens", "reduce_block_dim"): ((16, 512), (32, 512), (32, 256), (64, 256)),
+}
+# With opt-in numerics: joint choices of the K steps of fc1, fc2, dA and the
+# dH tile width (the first is the defaults'), and the presum combine.
+GRID_NUMERICS: dict[tuple[str, ...], tuple[tuple, ...]] = {
+    ("fc1_block_k", "fc2_block_k", "da_block_k", "dh_block_n"): (
+        (64, 64, 64, 128), (64, 64, 32, 128), (32, 32, 32, 128), (64, 32, 32, 128), (64, 64, 64, 64)),
+}
+
+
+# Which kernels' resources each grid axis changes (the others keep base's).
+_AXIS_KERNELS = {"fc1": ("dispatch_fc1",), "fc2": ("fc2_combine",), "dh": ("dispatch_dh",), "da": ("da_combine",),
+                 "reduce": ()}
+
+
+def _fits(point: LayerParams, shape: LayerShape, hw: HardwareConstants, kernels: tuple[str, ...]) -> bool:
+    for saved in (True, False):
+        progs = resources(point, shape, saved_h13=saved)
+        if any(_kernel_misfit(progs[k], hw) for k in kernels):
+            return False
+    return True
+
+
+def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | None = None,
+                     base: LayerParams | None = None, hw: HardwareConstants | None = None) -> Iterator[LayerParams]:
+    """The grid the analytic model ranks for ``shape``: ``GRID_SHARED`` x one
+    choice per ``GRID_STAGES`` entry (x ``GRID_NUMERICS`` and the presum
+    combine with ``numerics``), the other fields as ``base`` (default: the
+    shape's tuned defaults). Left out: points ``feasible`` rejects on ``hw``
+    (default: the uncalibrated H200 constants) and points that repeat another
+    (a field without effect: TMA where it cannot run, deferred release
+    without the direct combine). Schedule points keep ``base``'s numerics
+    fields (and the order keys of its mixed fields), so they all give
+    ``base``'s bits. Deterministic order; at most ``limit`` points."""
+    base = base or shape.default_params()
+    hw = hw or default_constants("NVIDIA H200")
+    if feasible(base, shape, hw) is not None and not _fits(base, shape, hw, ("wgrad_w13", "wgrad_w2")):
+        return
+    shared = {k: v for k, v in GRID_SHARED.items() if k != "block_m"}
+    combine_key = FIELDS["combine"].order_key
+    shared["combine"] = (("direct", "staged", "presum") if numerics else
+                         tuple(v for v in GRID_SHARED["combine"] if combine_key(v) == combine_key(base.combine)))
+    shared_names = tuple(shared)
+    stage_axes = []
+    reduce_key = FIELDS["reduce_block_dim"].order_key
+    for names, combos in GRID_STAGES.items():
+        if names[0] == "reduce_block_tokens" and not numerics:
+            combos = tuple(v for v in combos if reduce_key(v[1]) == reduce_key(base.reduce_block_dim))
+        stage_axes.append((names, combos, _AXIS_KERNELS[names[0].split("_")[0]]))
+    numerics_names, numerics_choices = ((), [()])
+    if numerics:
+        (numerics_names, numerics_choices), = GRID_NUMERICS.items()
+    tma_ok = shape.dtype_bytes == 2
+    count = 0
+    for block_m in GRID_SHARED["block_m"]:
+        for num_choice in numerics_choices:
+            fixed = {"block_m": block_m, **dict(zip(numerics_names, num_choice))}
+            probe = _build(base, fixed)
+            # feasibility separates by kernel: filter each axis's combos alone
+            filtered = [[dict(zip(names, combo)) for combo in combos
+                         if _fits(_build(probe, dict(zip(names, combo))), shape, hw, kernels)]
+                        for names, combos, kernels in stage_axes]
+            for shared_choice in itertools.product(*(shared[k] for k in shared_names)):
+                head = dict(fixed, **dict(zip(shared_names, shared_choice)))
+                if head["local_first"]:
+                    head["local_first_experts"] = 0.25
+                for stage_choice in itertools.product(*filtered):
+                    changes = dict(head)
+                    for part in stage_choice:
+                        changes.update(part)
+                    if changes["fc2_tma"] and (not tma_ok or shape.hidden % 8):
+                        continue
+                    if changes["da_tma"] and (not tma_ok or shape.hidden % changes.get("da_block_k", base.da_block_k)):
+                        continue
+                    if changes["fc2_defer_release"] and changes["combine"] != "direct":
+                        continue
+                    if changes["combine"] == "presum" and changes["reduce_block_tokens"] > block_m:
+                        continue
+                    yield _build(base, changes)
+                    count += 1
+                    if limit is not None and count >= limit:
+                        return
