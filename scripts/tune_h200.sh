@@ -11,6 +11,7 @@
 #
 #   bash scripts/tune_h200.sh
 #   STEPS="tune report" SHAPES=qwen3_1gpu,odd_dim TOP=6 bash scripts/tune_h200.sh
+#   CALIBRATE_ARGS="--tiles grid" bash scripts/tune_h200.sh     # every grid tile measured
 #
 # Every step runs under a timeout (CALIBRATE_S 170, TUNE_S 250, REPORT_S 100 per
 # bench), cut to what is left of TOTAL_S (default 540 s), so the results come
@@ -64,7 +65,7 @@ for step in $STEPS; do
     case $step in
     calibrate)
         if python3 -c 'import titan_uniep.tuning.calibrate' 2>/dev/null; then
-            timeout "$(budget "${CALIBRATE_S:-170}")" python3 -m titan_uniep.tuning.calibrate --out "$WORK/constants.json" \
+            timeout "$(budget "${CALIBRATE_S:-170}")" python3 -m titan_uniep.tuning.calibrate --out "$WORK/constants.json" ${CALIBRATE_ARGS:-} \
                 > "$WORK/calibrate.log" 2>&1 || status=1
         else
             echo "titan_uniep.tuning.calibrate is not in this tree" > "$WORK/calibrate.log"
