@@ -7,10 +7,11 @@ tests skip themselves and this test runs them in a subprocess instead.
 """
 
 import os
-import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -26,34 +27,57 @@ def _triton_is_interpreted() -> bool:
 
 
 MODULES = ("test_kernels.py", "test_backward.py", "test_op.py", "test_tuning_space.py")
-_runs: dict[str, subprocess.Popen] = {}
+_run: dict = {}
 
 
-def _start_all() -> None:
-    """Start every module's subprocess at once (one interpreter process per
-    core: they are single-threaded and take minutes each)."""
-    for module in MODULES:
-        if module in _runs:
-            continue
-        tests = Path(__file__).with_name(module)
+def _workers() -> list[str]:
+    """pytest-xdist spreads the modules' tests over the cores (one
+    single-threaded interpreter process per core; a whole module per process
+    would leave a core idle while the longest module runs on)."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return []
+    return ["-n", str(max(1, min(os.cpu_count() or 1, 4))), "--dist", "load"]
+
+
+def _results() -> tuple[subprocess.CompletedProcess, dict[str, dict[str, int]]]:
+    """Run every module once, in one fresh pytest process with TRITON_INTERPRET=1
+    (shared by the parametrized tests below), and count each module's
+    outcomes from its JUnit report."""
+    if not _run:
+        tests_dir = Path(__file__).parent
         env = dict(os.environ, TRITON_INTERPRET="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(tests.parents[1]), env.get("PYTHONPATH", "")])
-        _runs[module] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
-                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), env.get("PYTHONPATH", "")])
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.xml"
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_workers(),
+                   f"--junitxml={report}", *(str(tests_dir / m) for m in MODULES)]
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+            except subprocess.TimeoutExpired as e:
+                pytest.fail(f"the interpreter tests ran past 1500 s:\n{(e.stdout or '')[-3000:]}")
+            counts = {m: {"passed": 0, "failed": 0, "skipped": 0} for m in MODULES}
+            if report.exists():
+                for case in ElementTree.parse(report).iter("testcase"):
+                    module = case.get("classname", "").split(".")[-1] + ".py"
+                    if module not in counts:
+                        continue
+                    outcome = ("failed" if case.find("failure") is not None or case.find("error") is not None
+                               else "skipped" if case.find("skipped") is not None else "passed")
+                    counts[module][outcome] += 1
+        _run["proc"], _run["counts"] = proc, counts
+    return _run["proc"], _run["counts"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests")
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("module", MODULES)
 def test_kernel_tests_in_a_fresh_interpreter_process(module):
     if _triton_is_interpreted():
         pytest.skip(f"{module} runs in this process")
-    _start_all()
-    proc = _runs[module]
-    try:
-        stdout, stderr = proc.communicate(timeout=1200)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{module} ran past 1200 s:\n{stdout[-3000:]}")
-    assert proc.returncode == 0, stdout[-6000:] + stderr[-3000:]
-    assert re.search(r"\b[1-9]\d* passed", stdout) and " skipped" not in stdout, stdout[-3000:]
+    proc, counts = _results()
+    mine = counts[module]
+    assert mine["failed"] == 0 and mine["passed"] > 0 and mine["skipped"] == 0, (
+        f"{module}: {mine}\n{proc.stdout[-6000:]}{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
