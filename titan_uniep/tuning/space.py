@@ -371,11 +371,12 @@ def _kernel_misfit(prog: Program, hw: HardwareConstants) -> str | None:
 
 def _useful(name: str, value, shape: LayerShape) -> bool:
     """Whether a tile width is worth trying for ``shape``: at most the next
-    power of two of the dimension it tiles (wider tiles are all masks)."""
+    power of two of the dimension it tiles (wider tiles are all masks; row
+    tiles: the rows of an expert under balanced routing)."""
     if not isinstance(value, int) or isinstance(value, bool):
         return True
     dim, hidden = shape.dim, shape.hidden
-    rows = max(1, shape.tokens * shape.top_k * shape.ep_size // shape.local_experts if shape.local_experts else 1)
+    rows = max(1, shape.tokens * shape.ep_size * shape.top_k // shape.num_experts)  # rows of an expert, balanced
     bound = {
         "block_m": rows, "fc1_block_n": hidden, "fc1_block_k": dim, "fc2_block_n": dim, "fc2_block_k": hidden,
         "dh_block_n": hidden, "dh_block_k": dim, "da_block_n": dim, "da_block_k": hidden,
@@ -385,8 +386,9 @@ def _useful(name: str, value, shape: LayerShape) -> bool:
     }.get(name)
     if bound is None:
         return True
-    return value <= max(16 if name not in ("dispatch_block_tokens", "reduce_block_tokens") else 1,
-                        1 << max(0, math.ceil(math.log2(max(bound, 1)))))
+    # floors: a 16-wide tile (tl.dot's least), 32 rows (so that tiny test shapes try two row-tile widths)
+    floor = {"dispatch_block_tokens": 1, "reduce_block_tokens": 1, "block_m": 32}.get(name, 16)
+    return value <= max(floor, 1 << max(0, math.ceil(math.log2(max(bound, 1)))))
 
 
 def _allowed(name: str, base_value, numerics: bool, shape: LayerShape) -> list:
