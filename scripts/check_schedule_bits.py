@@ -53,7 +53,7 @@ from titan_uniep.tuning.hardware import default_constants  # noqa: E402
 
 CASES = {
     "cpu": dict(W=2, E=4, K=3, T=[5, 9], D=32, H=24, routing="random", seed=301, dtype="float32"),
-    "cuda": dict(W=2, E=8, K=2, T=[301, 257], D=512, H=768, routing="random", seed=302, dtype="bfloat16"),
+    "cuda": dict(W=2, E=8, K=4, T=[301, 257], D=512, H=768, routing="random", seed=302, dtype="bfloat16"),
 }
 
 
