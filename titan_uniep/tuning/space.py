@@ -35,6 +35,16 @@ Evidence for each kind: ``scripts/check_schedule_bits.py`` varies one field
 at a time on tiny shapes (interpreter, fp32; or bf16 on a GPU) and reports
 which outputs change; ``tests/test_tuning_space.py`` samples random schedule
 points and compares every output and gradient with the default point's bits.
+Both run the interpreter with a shape-independent ``tl.dot``
+(``tests/interpreter_dot.py``; numpy's BLAS rounds by the tile shape, MMA
+chains do not). What the interpreter cannot show: a ``tl.sum`` on a GPU adds
+in the order of its blocked layout, which follows the tile shape and the
+warps, so the fields that shape the layouts of the kernels' in-tile sums
+(``block_m``, ``da_num_warps``, ``reduce_block_tokens`` with scores before
+the experts, ``dh_num_warps`` in the recomputing backward) are schedule
+fields by the interpreter's evidence until ``scripts/tuning_gpu.sh`` (STEP
+bits1) confirms them in bf16 on a GPU; the GPU tests so far confirm
+descriptor loads, ``dh_copies_rows`` and ``local_first``.
 
 ``LayerShape`` is a layer's shape as the tuner sees it; ``feasible`` is the
 constraint check (shared memory and registers per program times programs per
