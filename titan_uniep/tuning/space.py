@@ -508,8 +508,9 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
     ``base``'s bits. Deterministic order; at most ``limit`` points."""
     base = base or shape.default_params()
     hw = hw or default_constants("NVIDIA H200")
-    if feasible(base, shape, hw) is not None and not _fits(base, shape, hw, ("wgrad_w13", "wgrad_w2")):
-        return
+    grid = base.num_programs or hw.sm_count
+    if grid > hw.sm_count or not _fits(base, shape, hw, ("wgrad_w13", "wgrad_w2")):
+        return  # what every point shares with base does not fit
     shared = {k: v for k, v in GRID_SHARED.items() if k != "block_m"}
     combine_key = FIELDS["combine"].order_key
     shared["combine"] = (("direct", "staged", "presum") if numerics else
@@ -549,6 +550,9 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
                     if changes["fc2_defer_release"] and changes["combine"] != "direct":
                         continue
                     if changes["combine"] == "presum" and changes["reduce_block_tokens"] > block_m:
+                        continue
+                    if (changes["combine"] == "staged"
+                            and base.combine_send_programs >= grid * changes["fc2_programs_per_sm"]):
                         continue
                     yield _build(base, changes)
                     count += 1
