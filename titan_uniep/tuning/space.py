@@ -35,6 +35,16 @@ Evidence for each kind: ``scripts/check_schedule_bits.py`` varies one field
 at a time on tiny shapes (interpreter, fp32; or bf16 on a GPU) and reports
 which outputs change; ``tests/test_tuning_space.py`` samples random schedule
 points and compares every output and gradient with the default point's bits.
+Both run the interpreter with a shape-independent ``tl.dot``
+(``tests/interpreter_dot.py``; numpy's BLAS rounds by the tile shape, MMA
+chains do not). What the interpreter cannot show: a ``tl.sum`` on a GPU adds
+in the order of its blocked layout, which follows the tile shape and the
+warps, so the fields that shape the layouts of the kernels' in-tile sums
+(``block_m``, ``da_num_warps``, ``reduce_block_tokens`` with scores before
+the experts, ``dh_num_warps`` in the recomputing backward) are schedule
+fields by the interpreter's evidence until ``scripts/tuning_gpu.sh`` (STEP
+bits1) confirms them in bf16 on a GPU; the GPU tests so far confirm
+descriptor loads, ``dh_copies_rows`` and ``local_first``.
 
 ``LayerShape`` is a layer's shape as the tuner sees it; ``feasible`` is the
 constraint check (shared memory and registers per program times programs per
@@ -371,11 +381,12 @@ def _kernel_misfit(prog: Program, hw: HardwareConstants) -> str | None:
 
 def _useful(name: str, value, shape: LayerShape) -> bool:
     """Whether a tile width is worth trying for ``shape``: at most the next
-    power of two of the dimension it tiles (wider tiles are all masks)."""
+    power of two of the dimension it tiles (wider tiles are all masks; row
+    tiles: the rows of an expert under balanced routing)."""
     if not isinstance(value, int) or isinstance(value, bool):
         return True
     dim, hidden = shape.dim, shape.hidden
-    rows = max(1, shape.tokens * shape.top_k * shape.ep_size // shape.local_experts if shape.local_experts else 1)
+    rows = max(1, shape.tokens * shape.ep_size * shape.top_k // shape.num_experts)  # rows of an expert, balanced
     bound = {
         "block_m": rows, "fc1_block_n": hidden, "fc1_block_k": dim, "fc2_block_n": dim, "fc2_block_k": hidden,
         "dh_block_n": hidden, "dh_block_k": dim, "da_block_n": dim, "da_block_k": hidden,
@@ -385,8 +396,9 @@ def _useful(name: str, value, shape: LayerShape) -> bool:
     }.get(name)
     if bound is None:
         return True
-    return value <= max(16 if name not in ("dispatch_block_tokens", "reduce_block_tokens") else 1,
-                        1 << max(0, math.ceil(math.log2(max(bound, 1)))))
+    # floors: a 16-wide tile (tl.dot's least), 32 rows (so that tiny test shapes try two row-tile widths)
+    floor = {"dispatch_block_tokens": 1, "reduce_block_tokens": 1, "block_m": 32}.get(name, 16)
+    return value <= max(floor, 1 << max(0, math.ceil(math.log2(max(bound, 1)))))
 
 
 def _allowed(name: str, base_value, numerics: bool, shape: LayerShape) -> list:
@@ -496,8 +508,9 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
     ``base``'s bits. Deterministic order; at most ``limit`` points."""
     base = base or shape.default_params()
     hw = hw or default_constants("NVIDIA H200")
-    if feasible(base, shape, hw) is not None and not _fits(base, shape, hw, ("wgrad_w13", "wgrad_w2")):
-        return
+    grid = base.num_programs or hw.sm_count
+    if grid > hw.sm_count or not _fits(base, shape, hw, ("wgrad_w13", "wgrad_w2")):
+        return  # what every point shares with base does not fit
     shared = {k: v for k, v in GRID_SHARED.items() if k != "block_m"}
     combine_key = FIELDS["combine"].order_key
     shared["combine"] = (("direct", "staged", "presum") if numerics else
@@ -537,6 +550,9 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
                     if changes["fc2_defer_release"] and changes["combine"] != "direct":
                         continue
                     if changes["combine"] == "presum" and changes["reduce_block_tokens"] > block_m:
+                        continue
+                    if (changes["combine"] == "staged"
+                            and base.combine_send_programs >= grid * changes["fc2_programs_per_sm"]):
                         continue
                     yield _build(base, changes)
                     count += 1
