@@ -1,4 +1,5 @@
-"""Runs the interpreter kernel tests (test_kernels.py, test_backward.py) in a fresh process when this one cannot.
+"""Runs the interpreter kernel tests (test_kernels.py, test_backward.py, test_scoreboard.py) in a fresh process when
+this one cannot.
 
 The Triton interpreter needs TRITON_INTERPRET=1 before ``import triton``
 (Triton's own jit helpers such as ``tl.cdiv`` are defined at import). When an
@@ -25,7 +26,7 @@ def _triton_is_interpreted() -> bool:
     return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
-MODULES = ("test_kernels.py", "test_backward.py")
+MODULES = ("test_kernels.py", "test_backward.py", "test_scoreboard.py")
 _runs: dict[str, subprocess.Popen] = {}
 
 
