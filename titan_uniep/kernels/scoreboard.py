@@ -30,12 +30,14 @@ never cleared: every later wait on that workspace gives up at once.
 it; ``LayerParams.debug_race``, testing only) makes races visible where
 programs run one after another (the interpreter): producers deliver a
 seeded random subset of their rows (``race_draw``) and stamp each delivered
-receive slot and returned row (column block) with the call's epoch, every
-tile-rows and token-rows wait polls once (a task not ready is skipped and
-counted), and a task that passed its wait checks that every row it reads
-carries this call's stamp, counting a *violation* otherwise (the race
-report, control words ``CTL_RACE``...). ``SLACK`` (``LayerParams.debug_wait_slack``,
-testing only) lowers those wait targets: the race the report must catch.
+receive slot and returned row (column block) with the call's epoch; the
+host bounds every wait by zero polls, so the waits' own code polls once and
+a tile or token not ready is skipped (and counted), not failed; and a task
+that passed its wait checks that every row it reads carries this call's
+stamp, counting a *violation* otherwise (the race report, control words
+from ``CTL_RACE``). ``SLACK`` (``LayerParams.debug_wait_slack``, testing
+only) lowers the tile-rows and token-rows wait targets: the race the report
+must catch.
 
 Control words, ``(L, CONTROL_WORDS) int64`` per local rank (ordinary device
 memory, never written by a peer): one task counter per task kind of a launch
@@ -552,8 +554,9 @@ def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_
     task // L); per rank, ``grouped_tile_task``; ``use_order``: tiles in
     ``route.tile_order``, local_first) and, ``WAIT``, wait (bounded) until
     every row of its tile has arrived (``SLACK`` rows fewer: a test's
-    deliberate race), recording a failure otherwise. ``RACE``: the wait is one
-    poll (``race_tile_ready``).
+    deliberate race), recording a failure otherwise. ``RACE`` (the bound is
+    zero polls): short is skipped, not a failure; past the wait, every slot
+    of the tile must carry this call's stamp (``race_slots_arrived``).
 
     Returns (ready, local rank, rank, tile, column block, local expert, first
     slot, end slot): ``ready`` when the task exists, its rank has not failed,
@@ -578,44 +581,40 @@ def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_
         m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
         if WAIT:
             arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals) + tile
-            if RACE:
-                ready = race_tile_ready(arrivals, arena, anchor_rank, rank, control, task, tile, m0, m1, BM, SLACK)
-            else:
-                seen = wait_counter_at_least(arrivals, m1 - m0 - SLACK, abort_word(arena, anchor_rank, rank), timeout,
-                                             USE_TIMER)
-                if seen < m1 - m0 - SLACK:
+            target = m1 - m0 - SLACK
+            seen = wait_counter_at_least(arrivals, target, abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+            if seen < target:
+                if RACE:
+                    race_note(control, 0, _RACE_SKIPPED)
+                else:
                     wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_ROWS, tile, m1 - m0, seen,
                                 timeout, WORLD, USE_TIMER)
-                    ready = m1 < 0
-                else:
-                    ready = m1 <= arena.slot_capacity
+                ready = m1 < 0
+            else:
+                ready = m1 <= arena.slot_capacity
+                if RACE:
+                    ready = ready & race_slots_arrived(arena, anchor_rank, rank, control, task, tile, m0, m1, BM)
         else:
             ready = m1 <= arena.slot_capacity
     return ready, local, rank, tile, col_block, expert, m0, m1
 
 
 @triton.jit
-def race_tile_ready(arrivals, arena, anchor_rank, rank, control, task, tile, m0, m1, BM: tl.constexpr,
-                    SLACK: tl.constexpr):
-    """Race mode's tile wait: one poll of the tile's arrivals (short: the task
-    is skipped); once it passed, every slot of the tile must carry this call's
-    stamp, or the task is a violation (and skipped: its slots name no row)."""
-    seen = tl.atomic_add(arrivals, 0, sem="acquire", scope="sys")
-    ready = m1 < 0
-    if seen < m1 - m0 - SLACK:
-        race_note(control, 0, _RACE_SKIPPED)
+def race_slots_arrived(arena, anchor_rank, rank, control, task, tile, m0, m1, BM: tl.constexpr):
+    """Race mode, a tile task past its wait: whether every slot of the tile
+    carries this call's arrival stamp; counts the task as passed, or as a
+    violation (then it is skipped: its slots name no row)."""
+    epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+    offs = m0 + tl.arange(0, BM)
+    mask = (offs < m1) & (offs < arena.slot_capacity)
+    stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_stamps)
+    missing = mask & (tl.load(stamps + offs, mask=mask, other=0, cache_modifier=".cg") != epoch)
+    arrived = tl.max(missing.to(tl.int32)) == 0
+    if arrived:
+        race_note(control, 0, _RACE_PASSED)
     else:
-        epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
-        offs = m0 + tl.arange(0, BM)
-        mask = (offs < m1) & (offs < arena.slot_capacity)
-        stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_stamps)
-        missing = mask & (tl.load(stamps + offs, mask=mask, other=0, cache_modifier=".cg") != epoch)
-        if tl.max(missing.to(tl.int32)) > 0:
-            race_violation(control, 0, _WAIT_TILE_ROWS, task, tile, tl.min(tl.where(missing, offs, 1 << 30)))
-        else:
-            race_note(control, 0, _RACE_PASSED)
-            ready = m1 <= arena.slot_capacity
-    return ready
+        race_violation(control, 0, _WAIT_TILE_ROWS, task, tile, tl.min(tl.where(missing, offs, 1 << 30)))
+    return arrived
 
 
 @triton.jit
@@ -666,38 +665,19 @@ def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, exp
     """A reduce task's wait (bounded) until each of its tokens ``offs_t``
     (under ``mask_t``) has ``expected`` arrivals (one count for all, or one
     per token: ``PER_TOKEN``; ``SLACK`` fewer: a test's deliberate race);
-    records a failure otherwise. Returns whether all arrived. ``RACE``: one
-    poll (short: skipped), then every column block of the ``TOP_K`` returned
-    rows of every token must carry this call's stamp (or the task is a
-    violation, and skipped)."""
+    records a failure otherwise. Returns whether all arrived. ``RACE`` (the
+    bound is zero polls): short is skipped, not a failure; past the wait,
+    every column block of the ``TOP_K`` returned rows of every token must
+    carry this call's stamp (``race_rows_arrived``)."""
     arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals) + offs_t
-    if RACE:
-        seen = tl.atomic_add(arrivals, 0, mask=mask_t, sem="acquire", scope="sys")
-        arrived = tl.max((mask_t & (seen < expected - SLACK)).to(tl.int32)) == 0
-        if arrived:
-            epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
-            stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.row_stamps)
-            first = tl.full([], 1 << 30, tl.int32)
-            for k in range(TOP_K):
-                rows = offs_t * TOP_K + k
-                for col_block in range(COL_BLOCKS):
-                    stamp = tl.load(stamps + rows.to(tl.int64) * COL_BLOCKS + col_block, mask=mask_t, other=0,
-                                    cache_modifier=".cg")
-                    first = tl.minimum(first, tl.min(tl.where(mask_t & (stamp != epoch), rows, 1 << 30)))
-            arrived = first == 1 << 30
-            if arrived:
-                race_note(control, 1, _RACE_PASSED)
-            else:
-                race_violation(control, 1, _WAIT_TOKEN_ROWS, task, first // TOP_K, first)
-        else:
+    target = expected - SLACK
+    seen = wait_counters_at_least(arrivals, mask_t, target, abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+    short = mask_t & (seen < target)
+    failed = tl.max(short.to(tl.int32)) > 0
+    if failed:
+        if RACE:
             race_note(control, 1, _RACE_SKIPPED)
-        return arrived
-    else:
-        seen = wait_counters_at_least(arrivals, mask_t, expected - SLACK, abort_word(arena, anchor_rank, rank),
-                                      timeout, USE_TIMER)
-        short = mask_t & (seen < expected - SLACK)
-        failed = tl.max(short.to(tl.int32)) > 0
-        if failed:
+        else:
             first = tl.min(tl.where(short, offs_t, 1 << 30))
             if PER_TOKEN:
                 wanted = tl.max(tl.where(short, expected, 0))
@@ -705,4 +685,29 @@ def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, exp
                 wanted = expected
             wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TOKEN_ROWS, first, wanted,
                         tl.min(tl.where(short, seen, 1 << 30)), timeout, WORLD, USE_TIMER)
-        return failed == 0
+    elif RACE:
+        failed = race_rows_arrived(arena, anchor_rank, rank, control, task, offs_t, mask_t, TOP_K, COL_BLOCKS) == 0
+    return failed == 0
+
+
+@triton.jit
+def race_rows_arrived(arena, anchor_rank, rank, control, task, offs_t, mask_t, TOP_K: tl.constexpr,
+                      COL_BLOCKS: tl.constexpr):
+    """Race mode, a reduce task past its wait: whether every column block of
+    its tokens' returned rows carries this call's stamp; counts the task as
+    passed, or as a violation (then it is skipped)."""
+    epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+    stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.row_stamps)
+    first = tl.full([], 1 << 30, tl.int32)
+    for k in range(TOP_K):
+        rows = offs_t * TOP_K + k
+        for col_block in range(COL_BLOCKS):
+            stamp = tl.load(stamps + rows.to(tl.int64) * COL_BLOCKS + col_block, mask=mask_t, other=0,
+                            cache_modifier=".cg")
+            first = tl.minimum(first, tl.min(tl.where(mask_t & (stamp != epoch), rows, 1 << 30)))
+    arrived = first == 1 << 30
+    if arrived:
+        race_note(control, 1, _RACE_PASSED)
+    else:
+        race_violation(control, 1, _WAIT_TOKEN_ROWS, task, first // TOP_K, first)
+    return arrived
