@@ -159,10 +159,11 @@ def send_task(
         m0 = tl.load(route.tile_start + local * route.tile_stride + tile)
         m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done) + tile
-        seen = wait_counter_at_least(tile_done, col_blocks, abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+        seen, stopped = wait_counter_at_least(tile_done, col_blocks, abort_word(arena, anchor_rank, rank), timeout,
+                                              USE_TIMER)
         if seen < col_blocks:
-            wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen, timeout,
-                        WORLD, USE_TIMER)
+            wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen, stopped,
+                        timeout, WORLD, USE_TIMER)
         elif m1 <= arena.slot_capacity:
             offs_m = m0 + tl.arange(0, BM)
             mask_m = offs_m < m1
@@ -221,13 +222,14 @@ def presum_task(
         # One bounded wait over the fc2 tiles of every lead token's copies here.
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
         wait = lead[:, None] & (tiles >= 0)
-        seen = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks,
-                                      abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+        seen, stopped = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks,
+                                               abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
         short = wait & (seen < col_blocks)
         if tl.max(tl.max(short.to(tl.int32), axis=1), axis=0) > 0:
             first = tl.min(tl.min(tl.where(short, tiles, 1 << 30), axis=1), axis=0)
             wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_DONE, first, col_blocks,
-                        tl.min(tl.min(tl.where(short, seen, 1 << 30), axis=1), axis=0), timeout, WORLD, USE_TIMER)
+                        tl.min(tl.min(tl.where(short, seen, 1 << 30), axis=1), axis=0), stopped, timeout, WORLD,
+                        USE_TIMER)
         else:
             per_rank = arena.token_capacity * TOP_K
             source = copy_id // per_rank

@@ -426,10 +426,10 @@ def exchange_counts_kernel(
         abort = abort_word(arena, anchor_rank, rank)
         for source in range(WORLD):
             if has_failed(control) == 0:
-                seen = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER)
+                seen, stopped = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER)
                 if seen < epoch:
-                    wait_failed(control, arena, anchor_rank, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen, timeout,
-                                WORLD, USE_TIMER)
+                    wait_failed(control, arena, anchor_rank, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen, stopped,
+                                timeout, WORLD, USE_TIMER)
         table = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.counts) + parity * WORLD * NUM_EXPERTS
         total: tl.constexpr = WORLD * NUM_EXPERTS
         for i in range(0, total, BLOCK):

@@ -258,16 +258,17 @@ def fail_world(control, arena, anchor_rank, rank, task, what, index, expected, s
             tl.atomic_xchg(abort_word(arena, anchor_rank, peer), code, sem="release", scope="sys")
     else:
         own = abort_word(arena, anchor_rank, rank)
-        wait_counter_at_least(own, 1, own, timeout, USE_TIMER)
+        wait_counter_at_least(own, 1, own, timeout, USE_TIMER)  # (the abort word is its own stop)
 
 
 @triton.jit
-def wait_failed(control, arena, anchor_rank, rank, task, what, index, expected, seen, timeout,
+def wait_failed(control, arena, anchor_rank, rank, task, what, index, expected, seen, stopped, timeout,
                 WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
-    """A bounded wait of this rank ended short: because another rank failed
-    first (the abort word is set: record that this rank stopped), or by its
-    own timeout (``fail_world``)."""
-    if tl.load(abort_word(arena, anchor_rank, rank), volatile=True) != 0:
+    """A bounded wait of this rank ended short: on the abort word (``stopped``,
+    as the wait returned it: another rank failed first; record that this rank
+    stopped), or at its own bound (``fail_world``; if another rank claimed
+    the first failure meanwhile, this record still says this rank timed out)."""
+    if stopped != 0:
         record_failure(control, rank, task, what, index, expected, seen, _STOPPED)
     else:
         fail_world(control, arena, anchor_rank, rank, task, what, index, expected, seen, timeout, WORLD, USE_TIMER)
@@ -277,7 +278,8 @@ def wait_failed(control, arena, anchor_rank, rank, task, what, index, expected, 
 def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.constexpr):
     """Poll ``*counter`` (acquire, system scope) until it reaches ``expected``,
     ``timeout`` passes or the abort word ``*abort`` is set; returns the last
-    value seen. (The abort word is read only while the counter is short.)"""
+    value seen and the last abort word read (nonzero: the wait stopped on it;
+    the abort word is read only while the counter is short)."""
     seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
     if USE_TIMER:
         start = globaltimer()
@@ -295,14 +297,14 @@ def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.const
         else:
             elapsed += 1
     tl.debug_barrier()
-    return seen
+    return seen, stop
 
 
 @triton.jit
 def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: tl.constexpr):
     """Block version of ``wait_counter_at_least``: poll every ``counters[i]``
     under ``mask`` until all reach ``expected`` (or the timeout, or the abort
-    word); returns the values seen."""
+    word); returns the values seen and the last abort word read."""
     seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
     missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
     if USE_TIMER:
@@ -322,7 +324,7 @@ def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: 
         else:
             elapsed += 1
     tl.debug_barrier()
-    return tl.where(mask, seen, expected)
+    return tl.where(mask, seen, expected), stop
 
 
 # ---- race mode (testing only) ---------------------------------------------------
@@ -582,13 +584,14 @@ def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_
         if WAIT:
             arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals) + tile
             target = m1 - m0 - SLACK
-            seen = wait_counter_at_least(arrivals, target, abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+            seen, stopped = wait_counter_at_least(arrivals, target, abort_word(arena, anchor_rank, rank), timeout,
+                                                  USE_TIMER)
             if seen < target:
                 if RACE:
                     race_note(control, 0, _RACE_SKIPPED)
                 else:
                     wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_ROWS, tile, m1 - m0, seen,
-                                timeout, WORLD, USE_TIMER)
+                                stopped, timeout, WORLD, USE_TIMER)
                 ready = m1 < 0
             else:
                 ready = m1 <= arena.slot_capacity
@@ -671,7 +674,8 @@ def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, exp
     carry this call's stamp (``race_rows_arrived``)."""
     arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals) + offs_t
     target = expected - SLACK
-    seen = wait_counters_at_least(arrivals, mask_t, target, abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+    seen, stopped = wait_counters_at_least(arrivals, mask_t, target, abort_word(arena, anchor_rank, rank), timeout,
+                                           USE_TIMER)
     short = mask_t & (seen < target)
     failed = tl.max(short.to(tl.int32)) > 0
     if failed:
@@ -684,7 +688,7 @@ def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, exp
             else:
                 wanted = expected
             wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TOKEN_ROWS, first, wanted,
-                        tl.min(tl.where(short, seen, 1 << 30)), timeout, WORLD, USE_TIMER)
+                        tl.min(tl.where(short, seen, 1 << 30)), stopped, timeout, WORLD, USE_TIMER)
     elif RACE:
         failed = race_rows_arrived(arena, anchor_rank, rank, control, task, offs_t, mask_t, TOP_K, COL_BLOCKS) == 0
     return failed == 0
