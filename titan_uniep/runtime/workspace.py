@@ -447,7 +447,9 @@ class Workspace:
         lines = []
         for rank, rec in ranks:
             where = f"EP rank {rank} (call epoch {rec['epoch']}, task {rec['task']})"
-            if rec["flag"] == FAILED and (root is None or root["rank"] == rank):
+            if rec["flag"] == FAILED and root is None:  # (its abort words have not reached this rank)
+                lines.append(f"UniEP {role} failed on {where}: {failure(rec)}.")
+            elif rec["flag"] == FAILED and root["rank"] == rank:
                 lines.insert(0, f"UniEP {role} failed on {where}: {failure(rec)}. It failed first: every other EP "
                                 "rank stopped at its next wait.")
             elif rec["flag"] == FAILED:
