@@ -221,7 +221,8 @@ def test_silent_rank_stops_every_rank_with_the_root_cause():
                     rf"\(fc1 tile\), .*{counter}.*; expected {root['expected']}, saw {root['seen']} after 3 polls\. "
                     r"It failed first", first), first
     assert re.match(rf"UniEP forward stopped on EP rank 1 \(call epoch 1, task {stopped['task']}\), in .*"
-                    rf"because EP rank 0 failed first \(call epoch 1, task {root['task']}\): .*{counter}", second), second
+                    rf"because EP rank 0 failed first \(call epoch 1, task {root['task']}\): .*{counter}", second), \
+        second
 
 
 def test_lazy_check_reports_the_failure_at_the_next_call_and_at_the_step_end(monkeypatch):
@@ -337,7 +338,8 @@ def test_counts_exchange_stops_on_the_abort_word_and_later_calls_do_not_wait():
     assert re.match(rf"UniEP forward failed on EP rank 0 .*{counter}.*It failed first", lines[0]), lines[0]
     assert re.match(rf"UniEP forward stopped on EP rank 1 .*count_flags\[2\].*because EP rank 0 failed first .*"
                     rf"{counter}", lines[1]), lines[1]
-    assert re.match(rf"UniEP forward stopped on EP rank 2 because EP rank 0 failed first .*{counter}", lines[2]), lines[2]
+    assert re.match(rf"UniEP forward stopped on EP rank 2 because EP rank 0 failed first .*{counter}", lines[2]), \
+        lines[2]
     assert elapsed < 10, f"{elapsed:.1f} CPU-s: a wait spun towards its bound"
 
 

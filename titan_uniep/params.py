@@ -182,7 +182,7 @@ class LayerParams:
     debug_silent_rank: int = -1
     """Testing only: this rank runs no dispatch tasks (sends nothing), to prove a missing peer ends in a clear error."""
     debug_race: bool = False
-    """Testing only: race mode (kernels.scoreboard): producers deliver a seeded subset of their rows, every tile-rows and token-rows wait polls once (not ready: skipped), and a task past its wait checks each row it reads had arrived (Workspace.race_report). Needs a workspace built with it; not with combine="presum"."""
+    """Testing only: race mode (kernels.scoreboard; Workspace.race_report), for a workspace built with it; not with combine="presum"."""
     debug_race_keep: float = 0.9
     """Testing only, race mode: the fraction of rows, in (0, 1], each producer delivers."""
     debug_race_seed: int = 0
