@@ -23,7 +23,8 @@ def build(fn, pointers: dict, consts: dict, *, num_warps: int, num_stages: int, 
     dtype (a pointer) or a scalar type string, with ``/16`` when the value
     is 16-divisible (an element offset of the arena). Pointers, ``*stride``
     parameters and fields (int64) and ``/16`` fields are 16-divisible, other
-    scalars int32; ``max_registers``: Triton's ``maxnreg``. Returns the
+    scalars int32; constexprs not in ``consts`` take their defaults (as the
+    JIT does); ``max_registers``: Triton's ``maxnreg``. Returns the
     compiled kernel (``.asm``, ``.metadata``)."""
     import torch
     import triton
@@ -39,6 +40,7 @@ def build(fn, pointers: dict, consts: dict, *, num_warps: int, num_stages: int, 
             return ty, div == "16"
         return ("i64", True) if name.endswith("stride") else ("i32", False)
 
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:

@@ -88,7 +88,7 @@ def compile_all() -> None:
             for defer in (False, True):
                 opts = dict(num_warps=p.da_num_warps, num_stages=p.da_num_stages, max_registers=p.da_max_registers)
                 kernel = sm90_compile.build(da_combine_kernel, da, dict(
-                    NUM_LOCAL=1, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=p.da_block_n, BK=p.da_block_k,
+                    NUM_LOCAL=1, WORLD=2, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=p.da_block_n, BK=p.da_block_k,
                     BT=p.reduce_block_tokens, BD=da_reduce_dim(p, score_before), RET_ROW_F32=dim, PARTS_AT_F32=dim // 2,
                     DEFER_RELEASE=defer, TMA=tma, **shape), **opts)
                 check(kernel, f"da_combine (dA + reduce{', deferred release' if defer else ''}"

@@ -32,6 +32,13 @@ reaches its first MoE layer together) and reused by every layer and step,
 sized for the largest token count known then (``reserve_tokens``, set by the
 parallelize hook from the job's batch and sequence length), with the
 ``LayerParams`` point ``[uniep] tuning`` selects (``tuning.selection``).
+
+Errors: the fused path checks its workspace's error words without a host
+sync (``Workspace.poll_errors``), so a failure may surface only some calls
+later; ``raise_pending_errors()`` checks every workspace once, and the
+trainer (``titan_uniep.train``) calls it at the end of every training step,
+on every rank, so a layer output that no reduce task wrote is never
+consumed past that step.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from titan_uniep.runtime import (
 )
 from titan_uniep.tuning.selection import select_params
 
-__all__ = ["moe_experts", "moe_experts_backward", "reserve_tokens", "workspace_for"]
+__all__ = ["moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens", "workspace_for"]
 
 _workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
@@ -65,6 +72,16 @@ def reserve_tokens(group: dist.ProcessGroup, num_tokens: int) -> None:
     (call it on every rank before the first MoE forward)."""
     name = group.group_name
     _reserved_tokens[name] = max(_reserved_tokens.get(name, 0), num_tokens)
+
+
+def raise_pending_errors() -> None:
+    """Raise RuntimeError if a UniEP kernel of this rank failed, or stopped
+    because a peer failed, in any workspace of the op; the message names the
+    EP rank, task and counter that failed first. Synchronises with the device
+    (a small copy): call it where the host has synchronised anyway, as the
+    trainer does after each step."""
+    for ws in _workspaces.values():
+        ws.check_errors()
 
 
 def _workspace_key(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, backward: bool) -> tuple:

@@ -184,6 +184,14 @@ class LayerParams:
     """Bound of every spin-wait under TRITON_INTERPRET=1, in polls (producers run first there, so any spin is a bug)."""
     debug_silent_rank: int = -1
     """Testing only: this rank runs no dispatch tasks (sends nothing), to prove a missing peer ends in a clear error."""
+    debug_race: bool = False
+    """Testing only: race mode (kernels.scoreboard; Workspace.race_report), for a workspace built with it; not with combine="presum"."""
+    debug_race_keep: float = 0.9
+    """Testing only, race mode: the fraction of rows, in (0, 1], each producer delivers."""
+    debug_race_seed: int = 0
+    """Testing only, race mode: the seed of which rows are delivered (>= 0)."""
+    debug_wait_slack: int = 0
+    """Testing only: every tile-rows and token-rows wait target is lowered by this many arrivals (>= 0): a race on a GPU, which race mode must catch."""
 
     def replace(self, **changes) -> "LayerParams":
         return dataclasses.replace(self, **changes)
@@ -213,6 +221,14 @@ class LayerParams:
             )
         if not 0.0 <= self.local_first_experts <= 1.0:
             raise ValueError(f"LayerParams.local_first_experts must be in [0, 1], got {self.local_first_experts}")
+        if not 0.0 < self.debug_race_keep <= 1.0:
+            raise ValueError(f"LayerParams.debug_race_keep must be in (0, 1], got {self.debug_race_keep}")
+        if self.debug_race_seed < 0 or self.debug_wait_slack < 0:
+            raise ValueError(f"LayerParams.debug_race_seed and debug_wait_slack must be >= 0, got "
+                             f"{self.debug_race_seed} and {self.debug_wait_slack}")
+        if self.debug_race and self.combine == "presum":
+            raise ValueError("LayerParams.debug_race checks the 'direct' and 'staged' combines; use one of them "
+                             "(combine='presum' sums partials its race mode does not stamp)")
         if not self.timeout_s > 0:
             raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
         # (dispatch_programs may reach the grid: every program then dispatches first)

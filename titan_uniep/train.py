@@ -60,6 +60,16 @@ class LossRecordingTrainer(Trainer):
 
         self.metrics_processor.log = log_and_record
 
+    def train_step(self, data_iterator) -> None:
+        super().train_step(data_iterator)
+        # UniEP's fused kernels record a failure on the device without a host sync:
+        # every rank checks once a step, after the step's last kernel (on a logging
+        # step TorchTitan has just synchronised for its loss; otherwise the next
+        # step's first host-to-device copy would wait for the device anyway).
+        op = sys.modules.get("titan_uniep.op")  # loaded by the kernel schedules only
+        if op is not None:
+            op.raise_pending_errors()
+
     def train(self) -> None:
         super().train()
         self._finished = True

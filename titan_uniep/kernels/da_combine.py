@@ -36,12 +36,15 @@ from .scoreboard import (
     CONTROL_WORDS,
     CTL_COMBINE_TILE_TASKS,
     CTL_REDUCE_TASKS,
+    SALT_COMBINE,
     arena_ptr,
     claim_task,
     gemm_tile_task,
     has_failed,
     matrix_descriptor,
     max_over_ranks,
+    race_rows_delivered,
+    race_stamp_rows,
     release_or_defer,
     release_token_arrivals,
     wait_token_rows,
@@ -50,17 +53,18 @@ from .scoreboard import (
 _CTL_DA_TASKS = tl.constexpr(CTL_COMBINE_TILE_TASKS)
 _CTL_REDUCE_TASKS = tl.constexpr(CTL_REDUCE_TASKS)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+_SALT_COMBINE = tl.constexpr(SALT_COMBINE)
 
 
 @triton.jit
 def da_tile(
     dh1, dh3, w1, w3, ds_parts, slot_copy, m0, m1, n0,
     arena, anchor_rank, d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row,
-    pending_source, pending_token, pending,
+    pending_source, pending_token, pending, control, rank,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
     RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    DEFER_RELEASE: tl.constexpr,
+    DEFER_RELEASE: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
@@ -71,7 +75,8 @@ def da_tile(
     tile's pending arrivals are released here, after the K-loop and before
     this tile's stores (a release after them would wait for them too).
     ``TMA``: the operands come through the tensor descriptors (``H`` a
-    multiple of ``BK``)."""
+    multiple of ``BK``). ``RACE``: only a seeded subset of the rows is sent
+    (``control``, ``rank``: this rank's), each stamped at its source."""
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
     offs_m = m0 + tl.arange(0, BM)
@@ -113,6 +118,8 @@ def da_tile(
             b_ptrs += BK * DIM
     if DEFER_RELEASE:
         release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+    if RACE:
+        mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, n0 // BN, _SALT_COMBINE)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     per_rank = arena.token_capacity * TOP_K
     source = copy_id // per_rank
@@ -129,6 +136,8 @@ def da_tile(
             total = tl.sum(parts, axis=1)
             ds = arena_ptr(arena.f32, arena, anchor_rank, source, arena.returned_f32)
             tl.store(ds + row * RET_ROW_F32 + PARTS_AT_F32, total, mask=mask_m)
+    if RACE:
+        race_stamp_rows(arena, anchor_rank, control, source, row, n0 // BN, mask_m, COL_BLOCKS)
     # Every thread's row stores before any arrival is released (by the caller).
     tl.debug_barrier()
     return source, row // TOP_K, mask_m
@@ -141,6 +150,7 @@ def da_reduce_task(
     DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
+    WORLD: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
     """dx and ds of ``BT`` tokens, once all their dA rows are back."""
     local = task // tasks_per_rank
@@ -151,7 +161,7 @@ def da_reduce_task(
         offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
         mask_t = offs_t < num_tokens
         if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, arrivals_per_token, timeout,
-                           USE_TIMER):
+                           USE_TIMER, WORLD, False, RACE, SLACK, TOP_K, COL_BLOCKS):
             returned = arena_ptr(arena.act, arena, anchor_rank, rank, arena.returned)
             rows = offs_t.to(tl.int64) * TOP_K
             offs_k = tl.arange(0, KP)
@@ -216,9 +226,14 @@ def da_combine_kernel(
     GROUP_M: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     RET_ROW_F32: tl.constexpr,  # fp32 words per returned row
     PARTS_AT_F32: tl.constexpr,  # fp32 word of a returned row that holds its score gradient
-    PRECISION: tl.constexpr, USE_TIMER: tl.constexpr, DEFER_RELEASE: tl.constexpr = False,
+    PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
+    WORLD: tl.constexpr,  # EP size (a failure sets every rank's abort word)
+    DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
+    RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
+    SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
+    COL_BLOCKS: tl.constexpr = (DIM + BN - 1) // BN
     col_blocks = tl.cdiv(DIM, BN)
     d1_desc = matrix_descriptor(dh1_ptr, dh_rows, HIDDEN, BM, BK, TMA)
     d3_desc = matrix_descriptor(dh3_ptr, dh_rows, HIDDEN, BM, BK, TMA)
@@ -235,7 +250,7 @@ def da_combine_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
-                NUM_LOCAL, GROUP_M, False, USE_TIMER)
+                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK)
             if ready:
                 weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                 hidden_at = local.to(tl.int64) * h_rank_stride
@@ -246,9 +261,9 @@ def da_combine_kernel(
                     m0, m1, col_block * BN, arena, anchor_rank, d1_desc, d3_desc, w1_desc, w3_desc,
                     local * (h_rank_stride // HIDDEN).to(tl.int32) + m0,
                     local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
-                    pending_source, pending_token, pending,
+                    pending_source, pending_token, pending, control_ptr + local * _CONTROL_WORDS, rank,
                     DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, DEFER_RELEASE,
+                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, DEFER_RELEASE, RACE, COL_BLOCKS,
                 )
                 pending_source, pending_token, pending = release_or_defer(
                     source, token, rows, pending_source, pending_token, pending, arena, anchor_rank,
@@ -264,5 +279,5 @@ def da_combine_kernel(
         while task < total:
             da_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, x_ptr, x_rank_stride,
                            dx_ptr, ds_ptr, arena, anchor_rank, TOP_K * col_blocks, timeout, DIM, TOP_K, SCORE_BEFORE,
-                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER)
+                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

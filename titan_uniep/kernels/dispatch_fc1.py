@@ -147,13 +147,15 @@ def dispatch_fc1_kernel(
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     PRESUM: tl.constexpr = False, SAVE_H13: tl.constexpr = False,
+    RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
+    SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
     EVEN_K: tl.constexpr = DIM % BK == 0
     EVEN_N: tl.constexpr = HIDDEN % BN == 0
     if do_dispatch != 0:
         dispatch_tasks(control_ptr, x_ptr, x_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base,
                        silent_rank, num_dispatch_programs, local_first, NUM_LOCAL, WORLD, DIM, TOP_K, BT, BD, KP, 1,
-                       PRESUM)
+                       PRESUM, USE_TIMER, RACE)
 
     if do_fc1 != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)
@@ -162,7 +164,7 @@ def dispatch_fc1_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, local_first, timeout,
-                NUM_LOCAL, GROUP_M, True, USE_TIMER)
+                NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK)
             if ready:
                 expert_offset = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                 fc1_tile(

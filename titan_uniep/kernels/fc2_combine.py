@@ -54,18 +54,22 @@ from .scoreboard import (
     CTL_COMBINE_TILE_TASKS,
     CTL_REDUCE_TASKS,
     CTL_SEND_TASKS,
+    SALT_COMBINE,
     WAIT_TILE_DONE,
     arena_ptr,
     claim_task,
     gemm_tile_task,
+    abort_word,
     has_failed,
     matrix_descriptor,
     max_over_ranks,
-    record_failure,
+    race_rows_delivered,
+    race_stamp_rows,
     release_or_defer,
     release_token_arrivals,
     wait_counter_at_least,
     wait_counters_at_least,
+    wait_failed,
     wait_token_rows,
 )
 
@@ -74,6 +78,7 @@ _CTL_REDUCE_TASKS = tl.constexpr(CTL_REDUCE_TASKS)
 _CTL_SEND_TASKS = tl.constexpr(CTL_SEND_TASKS)
 _WAIT_TILE_DONE = tl.constexpr(WAIT_TILE_DONE)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
+_SALT_COMBINE = tl.constexpr(SALT_COMBINE)
 
 
 @triton.jit
@@ -142,9 +147,10 @@ def store_rows_to_sources(
 def send_task(
     task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks, timeout,
     NUM_LOCAL: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-    USE_TIMER: tl.constexpr,
+    USE_TIMER: tl.constexpr, WORLD: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
-    """Staged combine: send one finished fc2 tile's rows to their sources."""
+    """Staged combine: send one finished fc2 tile's rows to their sources
+    (``RACE``: a seeded subset of them, each stamped in every column block)."""
     local = task % NUM_LOCAL
     tile = task // NUM_LOCAL
     rank = rank_base + local
@@ -153,12 +159,16 @@ def send_task(
         m0 = tl.load(route.tile_start + local * route.tile_stride + tile)
         m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done) + tile
-        seen = wait_counter_at_least(tile_done, col_blocks, timeout, USE_TIMER)
+        seen, stopped = wait_counter_at_least(tile_done, col_blocks, abort_word(arena, anchor_rank, rank), timeout,
+                                              USE_TIMER)
         if seen < col_blocks:
-            record_failure(control, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen)
+            wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen, stopped,
+                        timeout, WORLD, USE_TIMER)
         elif m1 <= arena.slot_capacity:
             offs_m = m0 + tl.arange(0, BM)
             mask_m = offs_m < m1
+            if RACE:
+                mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, 0, _SALT_COMBINE)
             slot_copy = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy)
             copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
             per_rank = arena.token_capacity * TOP_K
@@ -171,6 +181,9 @@ def send_task(
                 mask = mask_m[:, None] & (offs_d < DIM)[None, :]
                 rows = tl.load(staged + offs_d[None, :], mask=mask, cache_modifier=".cg")
                 tl.store(returned[:, None] + row[:, None] * DIM + offs_d[None, :], rows, mask=mask)
+            if RACE:
+                for col_block in range(COL_BLOCKS):
+                    race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask_m, COL_BLOCKS)
             tl.debug_barrier()
             release_token_arrivals(source, row // TOP_K, mask_m, arena, anchor_rank)
 
@@ -181,7 +194,7 @@ def presum_task(
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
 ):
-    """Presum combine: sum the same-rank rows of the tokens whose first copy
+    """Presum combine (not in race mode): sum the same-rank rows of the tokens whose first copy
     here lies in ``BT`` slots of one tile; send one fp32 partial per token."""
     chunks: tl.constexpr = BM // BT
     local = task % NUM_LOCAL
@@ -209,12 +222,14 @@ def presum_task(
         # One bounded wait over the fc2 tiles of every lead token's copies here.
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
         wait = lead[:, None] & (tiles >= 0)
-        seen = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks, timeout, USE_TIMER)
+        seen, stopped = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks,
+                                               abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
         short = wait & (seen < col_blocks)
         if tl.max(tl.max(short.to(tl.int32), axis=1), axis=0) > 0:
             first = tl.min(tl.min(tl.where(short, tiles, 1 << 30), axis=1), axis=0)
-            record_failure(control, rank, task, _WAIT_TILE_DONE, first, col_blocks,
-                           tl.min(tl.min(tl.where(short, seen, 1 << 30), axis=1), axis=0))
+            wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_DONE, first, col_blocks,
+                        tl.min(tl.min(tl.where(short, seen, 1 << 30), axis=1), axis=0), stopped, timeout, WORLD,
+                        USE_TIMER)
         else:
             per_rank = arena.token_capacity * TOP_K
             source = copy_id // per_rank
@@ -265,7 +280,7 @@ def presum_reduce_task(
         for p in range(WORLD):
             expected += tl.max(tl.where(dest == p, 1, 0), axis=1)
         if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, expected, timeout, USE_TIMER,
-                           True):
+                           WORLD, True):
             out = out_ptr + local.to(tl.int64) * out_rank_stride
             partials = arena_ptr(arena.f32, arena, anchor_rank, rank, arena.partials)
             rows = offs_t.to(tl.int64) * WORLD
@@ -286,8 +301,10 @@ def presum_reduce_task(
 def reduce_task(
     task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride, arena, anchor_rank,
     arrivals_per_token, timeout, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr, WORLD: tl.constexpr, RACE: tl.constexpr,
+    SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
+    """out of ``BT`` tokens of one rank, once all their expert rows are back."""
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
@@ -296,7 +313,7 @@ def reduce_task(
         offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
         mask_t = offs_t < num_tokens
         if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, arrivals_per_token, timeout,
-                           USE_TIMER):
+                           USE_TIMER, WORLD, False, RACE, SLACK, TOP_K, COL_BLOCKS):
             out = out_ptr + local.to(tl.int64) * out_rank_stride
             returned = arena_ptr(arena.act, arena, anchor_rank, rank, arena.returned)
             rows = offs_t.to(tl.int64) * TOP_K
@@ -348,9 +365,12 @@ def fc2_combine_kernel(
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     STAGED: tl.constexpr = False, PRESUM: tl.constexpr = False, DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
+    RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
+    SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
+    COL_BLOCKS: tl.constexpr = (DIM + BN - 1) // BN
     col_blocks = tl.cdiv(DIM, BN)
     # TMA: fc2 reads h and w2 through tensor descriptors made once per program
     # (the same values as the pointer loads, so the same bits).
@@ -372,7 +392,7 @@ def fc2_combine_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
-                NUM_LOCAL, GROUP_M, False, USE_TIMER)
+                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK)
             if ready:
                 if TMA:
                     a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
@@ -401,11 +421,20 @@ def fc2_combine_kernel(
                 else:
                     if DEFER_RELEASE:
                         release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+                    if RACE:
+                        control = control_ptr + local * _CONTROL_WORDS
+                        mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, col_block,
+                                                     _SALT_COMBINE)
                     source, token = store_rows_to_sources(
                         y, offs_m, mask_m, offs_n, mask_n,
                         arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy), arena, anchor_rank,
                         DIM, TOP_K,
                     )
+                    if RACE:
+                        copy_id = tl.load(arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy) + offs_m,
+                                          mask=mask_m, other=0, cache_modifier=".cg")
+                        row = (copy_id % (arena.token_capacity * TOP_K)).to(tl.int64)
+                        race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask_m, COL_BLOCKS)
                     # Every thread's row stores before any arrival is released.
                     tl.debug_barrier()
                     pending_source, pending_token, pending = release_or_defer(
@@ -430,7 +459,7 @@ def fc2_combine_kernel(
             task = claim_task(control_ptr, _CTL_SEND_TASKS)
             while task < total:
                 send_task(task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks,
-                          timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER)
+                          timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER, WORLD, RACE, COL_BLOCKS)
                 task = claim_task(control_ptr, _CTL_SEND_TASKS)
 
     if do_reduce != 0:
@@ -448,5 +477,5 @@ def fc2_combine_kernel(
             else:
                 reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride,
                             arena, anchor_rank, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD,
-                            USE_TIMER)
+                            USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

@@ -42,9 +42,11 @@ from .scoreboard import (
     CTL_EPOCH,
     CTL_ERROR,
     WAIT_COUNTS_FLAG,
+    abort_word,
     arena_ptr,
-    record_failure,
+    has_failed,
     wait_counter_at_least,
+    wait_failed,
 )
 
 ROW_SLOT_BASE, ROW_SRC_PREFIX, ROW_TILE_BASE, ROW_EXPERT_BASE, ROW_ROWS = range(5)
@@ -380,8 +382,9 @@ def exchange_counts_kernel(
     ``route_histogram_kernel``, which the scan turns into exclusive prefix
     sums in place (``route_layout_kernel`` reads them).
 
-    COLLECT: wait (bounded) until every rank's flag shows this epoch, then copy
-    the table out and derive the per-expert route tables and this rank's
+    COLLECT: wait (bounded, and not at all once this rank has failed; every
+    wait also gives up when the abort word is set: a peer failed first) until
+    every rank's flag shows this epoch, then copy the table out and derive the per-expert route tables and this rank's
     receive tiles from it (``write_route_tables``). A real rank does both in one
     launch; the simulated world runs PUBLISH for all ranks, then COLLECT, so no
     program waits on a later one.
@@ -420,10 +423,13 @@ def exchange_counts_kernel(
         epoch = tl.load(control + _CTL_EPOCH)
         parity = epoch % 2
         flags = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.count_flags) + parity * WORLD
+        abort = abort_word(arena, anchor_rank, rank)
         for source in range(WORLD):
-            seen = wait_counter_at_least(flags + source, epoch, timeout, USE_TIMER)
-            if seen < epoch:
-                record_failure(control, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen)
+            if has_failed(control) == 0:
+                seen, stopped = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER)
+                if seen < epoch:
+                    wait_failed(control, arena, anchor_rank, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen, stopped,
+                                timeout, WORLD, USE_TIMER)
         table = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.counts) + parity * WORLD * NUM_EXPERTS
         total: tl.constexpr = WORLD * NUM_EXPERTS
         for i in range(0, total, BLOCK):

@@ -16,10 +16,35 @@ failure wins) and the task is skipped; every later task of that rank sees the
 record and skips too, so a missing peer costs one bounded wait per program,
 never a hang. The host turns the record into a RuntimeError.
 
+A failure stops the whole EP group, not only the rank that saw it: the
+failing rank claims the group's first failure (a compare-and-swap on rank
+0's abort words), copies its record into every rank's abort words and sets
+every rank's *abort word* (system scope). Every bounded wait also polls its
+own rank's abort word and gives up at once when it is set, recording that
+it *stopped* (error flag ``STOPPED``) rather than failed (``FAILED``), so a
+missing peer costs one bounded wait in the whole group, and every rank's
+error names the rank, task and counter that failed first. The abort word is
+never cleared: every later wait on that workspace gives up at once.
+
+*Race mode* (``RACE``, a constexpr: the production kernels compile without
+it; ``LayerParams.debug_race``, testing only) makes races visible where
+programs run one after another (the interpreter): producers deliver a
+seeded random subset of their rows (``race_draw``) and stamp each delivered
+receive slot and returned row (column block) with the call's epoch; the
+host bounds every wait by zero polls, so the waits' own code polls once and
+a tile or token not ready is skipped (and counted), not failed; and a task
+that passed its wait checks that every row it reads carries this call's
+stamp, counting a *violation* otherwise (the race report, control words
+from ``CTL_RACE``). ``SLACK`` (``LayerParams.debug_wait_slack``, testing
+only) lowers the tile-rows and token-rows wait targets: the race the report
+must catch.
+
 Control words, ``(L, CONTROL_WORDS) int64`` per local rank (ordinary device
 memory, never written by a peer): one task counter per task kind of a launch
 (zeroed by the counts exchange at the start of every call), the call epoch,
-the error record.
+the error record, the race report. Abort words, ``ABORT_WORDS int64`` in
+every rank's arena (written by the peer that failed first): the claim (rank
+0's is the group's), the abort word, the first failure's record.
 
 Kernel arguments are packed: ``Arena`` (every rank's arena: base addresses,
 typed anchors, the element offset of each buffer, the capacities) and
@@ -37,7 +62,9 @@ Shared task helpers, in the order a megakernel uses them:
   row of the tile has arrived;
 - ``release_token_arrivals`` / ``release_or_defer``: a GEMM + combine
   tile's epilogue, one release per row stored into its source's buffer;
-- ``wait_token_rows``: a reduce task's bounded wait for its tokens' rows.
+- ``wait_token_rows``: a reduce task's bounded wait for its tokens' rows;
+- ``wait_failed`` / ``fail_world``: a wait that ended short, or a bad slot:
+  the error record and the abort words.
 """
 
 from __future__ import annotations
@@ -49,7 +76,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-CONTROL_WORDS = 16
+CONTROL_WORDS = 32
 # Task counters (words 0-7 but the epoch; the counts exchange zeroes them every call).
 CTL_DISPATCH_TASKS = 0  # dispatch tasks (dispatch_fc1, dispatch_dh)
 CTL_TILE_TASKS = 1  # fc1 tiles (dispatch_fc1), dH tiles (dispatch_dh)
@@ -62,6 +89,23 @@ CTL_OWN_DISPATCH_TASKS = 6  # dispatch of rows that stay on their rank (LayerPar
 CTL_ERROR = 8
 TASK_COUNTER_WORDS = tuple(w for w in range(CTL_ERROR) if w != CTL_EPOCH)
 ERROR_FIELDS = ("flag", "rank", "task", "what", "index", "expected", "seen", "epoch")
+# The error record's flag: this rank's own wait ran out (or its slot was bad), or
+# a wait of this rank gave up because another rank failed first (the abort word).
+FAILED, STOPPED = 1, 2
+# Race report (race mode only, LayerParams.debug_race): the host writes the seed and the
+# keep threshold (of 2**16) and zeroes the rest before a call; per wait kind (tile rows,
+# token rows) the tasks skipped (not ready), passed (every row read had arrived) and
+# violating (passed the wait, but a row read had not arrived), then the first violation.
+CTL_RACE = 16
+RACE_FIELDS = ("seed", "keep", "tile_skipped", "tile_passed", "tile_violations", "token_skipped", "token_passed",
+               "token_violations", "first_what", "first_task", "first_index", "first_row")
+RACE_KEEP_ONE = 1 << 16
+
+# Abort words (arena buffer ``abort``, int64): word 0 claims the group's first
+# failure (only rank 0's is used), word 1 is the abort word every wait polls
+# (the failing rank + 1), then the first failure's record.
+ABORT_WORDS = 16
+ABORT_FIELDS = ("claim", "code", "rank", "epoch", "task", "what", "index", "expected", "seen")
 
 # What a failed wait was waiting for (the record's ``what``).
 WAIT_COUNTS_FLAG = 1  # index: source rank whose counts never arrived
@@ -72,6 +116,21 @@ WAIT_TILE_DONE = 5  # index: fc2 tile whose output a combine-send task waited fo
 
 _CTL_EPOCH = tl.constexpr(CTL_EPOCH)
 _CTL_ERROR = tl.constexpr(CTL_ERROR)
+_CTL_RACE = tl.constexpr(CTL_RACE)
+_FAILED = tl.constexpr(FAILED)
+_STOPPED = tl.constexpr(STOPPED)
+_ABORT_CODE = tl.constexpr(ABORT_FIELDS.index("code"))
+_ABORT_RECORD = tl.constexpr(ABORT_FIELDS.index("rank"))
+_RACE_KEEP = tl.constexpr(CTL_RACE + RACE_FIELDS.index("keep"))
+_RACE_COUNTS = tl.constexpr(CTL_RACE + RACE_FIELDS.index("tile_skipped"))
+_RACE_FIRST = tl.constexpr(CTL_RACE + RACE_FIELDS.index("first_what"))
+# Race-report fields within a wait kind, and the salts of the producers' draws.
+_RACE_SKIPPED = tl.constexpr(0)
+_RACE_PASSED = tl.constexpr(1)
+_RACE_VIOLATIONS = tl.constexpr(2)
+# Race mode: salts of the producers' draws (a dispatch's copies, a combine's rows).
+SALT_DISPATCH, SALT_COMBINE = 0x1F3D5B79, 0x2B7E1516
+_SALT_DISPATCH = tl.constexpr(SALT_DISPATCH)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
 _CTL_DISPATCH_TASKS = tl.constexpr(CTL_DISPATCH_TASKS)
 _CTL_OWN_DISPATCH_TASKS = tl.constexpr(CTL_OWN_DISPATCH_TASKS)
@@ -102,6 +161,9 @@ class Arena(NamedTuple):
     token_slots: int  # (W * T_cap * K,) int32 (presum combine)
     token_tiles: int  # (W * T_cap * K,) int32 (presum combine)
     partials: int  # (T_cap * W, D) fp32 (presum combine)
+    abort: int  # (ABORT_WORDS,) int64: claim, abort word, first failure (every rank's, written by the first to fail)
+    slot_stamps: int  # (S,) int32: epoch of the call that delivered each slot (race mode only)
+    row_stamps: int  # (T_cap * K, cdiv(D, 16)) int32: epoch per returned row and column block (race mode only)
     token_capacity: int  # T_cap
     slot_capacity: int  # S
     tile_capacity: int  # C
@@ -148,9 +210,17 @@ def has_failed(control):
 
 
 @triton.jit
-def record_failure(control, rank, task, what, index, expected, seen):
-    """Fill this rank's error record unless an earlier failure did."""
-    if tl.atomic_cas(control + _CTL_ERROR, tl.full([], 0, tl.int64), tl.full([], 1, tl.int64)) == 0:
+def abort_word(arena, anchor_rank, rank):
+    """Pointer to ``rank``'s abort word: nonzero (the failing rank + 1) once
+    some rank of the group failed; every wait polls it."""
+    return arena_ptr(arena.i64, arena, anchor_rank, rank, arena.abort) + _ABORT_CODE
+
+
+@triton.jit
+def record_failure(control, rank, task, what, index, expected, seen, flag):
+    """Fill this rank's error record unless an earlier failure did (``flag``:
+    ``FAILED`` or ``STOPPED``)."""
+    if tl.atomic_cas(control + _CTL_ERROR, tl.full([], 0, tl.int64), tl.full([], flag, tl.int64)) == 0:
         tl.store(control + _CTL_ERROR + 1, rank)
         tl.store(control + _CTL_ERROR + 2, task)
         tl.store(control + _CTL_ERROR + 3, what)
@@ -161,9 +231,55 @@ def record_failure(control, rank, task, what, index, expected, seen):
 
 
 @triton.jit
-def wait_counter_at_least(counter, expected, timeout, USE_TIMER: tl.constexpr):
-    """Poll ``*counter`` (acquire, system scope) until it reaches ``expected``
-    or ``timeout`` passes; returns the last value seen."""
+def fail_world(control, arena, anchor_rank, rank, task, what, index, expected, seen, timeout,
+               WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """This rank failed (a wait ran out, a bad slot): record it, then stop
+    every rank. The first failing rank of the group (the one whose claim on
+    rank 0's abort words succeeds) copies its record into every rank's abort
+    words and then sets their abort words (release, system scope); a later
+    one waits (bounded) until the first one's record has reached its own
+    arena, so its error can name it."""
+    record_failure(control, rank, task, what, index, expected, seen, _FAILED)
+    claim = arena_ptr(arena.i64, arena, anchor_rank, 0, arena.abort)  # (the claim is word 0)
+    code = rank.to(tl.int64) + 1
+    if tl.atomic_cas(claim, tl.full([], 0, tl.int64), code, sem="acq_rel", scope="sys") == 0:
+        epoch = tl.load(control + _CTL_EPOCH)
+        for peer in range(WORLD):
+            words = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.abort) + _ABORT_RECORD
+            tl.store(words, rank)
+            tl.store(words + 1, epoch)
+            tl.store(words + 2, task)
+            tl.store(words + 3, what)
+            tl.store(words + 4, index)
+            tl.store(words + 5, expected)
+            tl.store(words + 6, seen)
+        tl.debug_barrier()  # every record before any abort word
+        for peer in range(WORLD):
+            tl.atomic_xchg(abort_word(arena, anchor_rank, peer), code, sem="release", scope="sys")
+    else:
+        own = abort_word(arena, anchor_rank, rank)
+        wait_counter_at_least(own, 1, own, timeout, USE_TIMER)  # (the abort word is its own stop)
+
+
+@triton.jit
+def wait_failed(control, arena, anchor_rank, rank, task, what, index, expected, seen, stopped, timeout,
+                WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """A bounded wait of this rank ended short: on the abort word (``stopped``,
+    as the wait returned it: another rank failed first; record that this rank
+    stopped), or at its own bound (``fail_world``; if another rank claimed
+    the first failure meanwhile, this record still says this rank timed out)."""
+    if stopped != 0:
+        record_failure(control, rank, task, what, index, expected, seen, _STOPPED)
+    else:
+        fail_world(control, arena, anchor_rank, rank, task, what, index, expected, seen, timeout, WORLD, USE_TIMER)
+
+
+@triton.jit
+def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.constexpr):
+    """Poll ``*counter`` (acquire, system scope) until it reaches ``expected``,
+    ``timeout`` passes or the abort word ``*abort`` is set; returns the last
+    value seen and the last abort word read (nonzero: the wait stopped on it;
+    the abort word is read only while the counter is short)."""
     seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
     if USE_TIMER:
         start = globaltimer()
@@ -172,20 +288,23 @@ def wait_counter_at_least(counter, expected, timeout, USE_TIMER: tl.constexpr):
         start = tl.full([], 0, tl.int64)
         limit = timeout.to(tl.int64)
     elapsed = start - start
-    while (seen < expected) & (elapsed < limit):
+    stop = tl.full([], 0, tl.int64)
+    while (seen < expected) & (elapsed < limit) & (stop == 0):
         seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+        stop = tl.load(abort, volatile=True)
         if USE_TIMER:
             elapsed = globaltimer() - start
         else:
             elapsed += 1
     tl.debug_barrier()
-    return seen
+    return seen, stop
 
 
 @triton.jit
-def wait_counters_at_least(counters, mask, expected, timeout, USE_TIMER: tl.constexpr):
+def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: tl.constexpr):
     """Block version of ``wait_counter_at_least``: poll every ``counters[i]``
-    under ``mask`` until all reach ``expected``; returns the values seen."""
+    under ``mask`` until all reach ``expected`` (or the timeout, or the abort
+    word); returns the values seen and the last abort word read."""
     seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
     missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
     if USE_TIMER:
@@ -195,15 +314,75 @@ def wait_counters_at_least(counters, mask, expected, timeout, USE_TIMER: tl.cons
         start = tl.full([], 0, tl.int64)
         limit = timeout.to(tl.int64)
     elapsed = start - start
-    while (missing > 0) & (elapsed < limit):
+    stop = tl.full([], 0, tl.int64)
+    while (missing > 0) & (elapsed < limit) & (stop == 0):
         seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
         missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
+        stop = tl.load(abort, volatile=True)
         if USE_TIMER:
             elapsed = globaltimer() - start
         else:
             elapsed += 1
     tl.debug_barrier()
-    return tl.where(mask, seen, expected)
+    return tl.where(mask, seen, expected), stop
+
+
+# ---- race mode (testing only) ---------------------------------------------------
+
+
+@triton.jit
+def race_draw(control, key, salt):
+    """Race mode: whether a producer delivers item ``key`` (int, any shape)
+    this call: a seeded hash of the item under the keep threshold (both set
+    by the host in the race report). Every constant is below 2**31 and every
+    product below 2**63: the same bits in the interpreter and on a GPU."""
+    seed = tl.load(control + _CTL_RACE)
+    keep = tl.load(control + _RACE_KEEP)
+    h = (key.to(tl.int64) * 0x2545F491 + seed * 0x9E3779B + salt) & 0x7FFFFFFF
+    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
+    h = ((h ^ (h >> 12)) * 0x297A2D39) & 0x7FFFFFFF
+    h = h ^ (h >> 15)
+    return (h & 0xFFFF) < keep
+
+
+@triton.jit
+def race_note(control, kind, field):
+    """Race mode: count one task of wait kind ``kind`` (0 tile rows, 1 token
+    rows) as skipped, passed or violating (``field``)."""
+    tl.atomic_add(control + _RACE_COUNTS + kind * 3 + field, 1, sem="relaxed")
+
+
+@triton.jit
+def race_violation(control, kind, what, task, index, row):
+    """Race mode: a task passed its wait but row ``row`` (a slot, or a
+    returned row) had not arrived; count it and keep the first."""
+    race_note(control, kind, _RACE_VIOLATIONS)
+    if tl.atomic_cas(control + _RACE_FIRST, tl.full([], 0, tl.int64), tl.full([], what, tl.int64)) == 0:
+        tl.store(control + _RACE_FIRST + 1, task)
+        tl.store(control + _RACE_FIRST + 2, index)
+        tl.store(control + _RACE_FIRST + 3, row)
+
+
+@triton.jit
+def race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, col_block, salt):
+    """Race mode: which rows ``offs_m`` (slots of ``rank``) a GEMM + combine
+    tile delivers to their sources: those whose copy arrived this call (its
+    slot stamp; any other slot names no valid source), then a seeded draw
+    per (slot, column block)."""
+    epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+    stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_stamps)
+    arrived = tl.load(stamps + offs_m, mask=mask_m, other=0, cache_modifier=".cg") == epoch
+    key = (rank.to(tl.int64) * arena.slot_capacity + offs_m) * 1024 + col_block
+    return mask_m & arrived & race_draw(control, key, salt)
+
+
+@triton.jit
+def race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask, COL_BLOCKS: tl.constexpr):
+    """Race mode: stamp column block ``col_block`` of each stored returned
+    ``row`` at its ``source`` with this call's epoch (before the release)."""
+    stamps = arena_ptr(arena.i32, arena, anchor_rank, source, arena.row_stamps)
+    epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+    tl.store(stamps + row * COL_BLOCKS + col_block, tl.zeros_like(row).to(tl.int32) + epoch, mask=mask)
 
 
 @triton.jit
@@ -245,7 +424,7 @@ def dispatch_task(
     task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena,
     anchor_rank, silent_rank, part,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr,
+    KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr, USE_TIMER: tl.constexpr, RACE: tl.constexpr,
 ):
     """``BT`` tokens of one source rank, for the destinations ``part`` selects
     (``dispatch_part``): each token's row (``ROW_PARTS`` = 1: its x row;
@@ -253,7 +432,9 @@ def dispatch_task(
     ``tokens[source * T_cap + t]`` of every rank owning one of its experts;
     each copy's slot entries (``slot_copy``, ``slot_score``) at its slot
     there; then one release arrival per copy on its tile. ``PRESUM``: also the
-    per-token slot and tile of each copy for the presum combine."""
+    per-token slot and tile of each copy for the presum combine. ``RACE``:
+    only a seeded subset of the copies (``race_draw``), each stamped with the
+    call's epoch at its slot (``slot_stamps``) before its arrival."""
     ROW: tl.constexpr = ROW_PARTS * DIM
     local = task // tasks_per_rank
     rank = rank_base + local
@@ -284,17 +465,19 @@ def dispatch_task(
                 if ROW_PARTS == 2:
                     tl.store(dst + DIM, g_rows, mask=there)
         mine = every_copy & dispatch_part(dest, rank, part)
+        copy_id = token_rows[:, None] * TOP_K + offs_k[None, :]
+        if RACE:
+            mine = mine & race_draw(control, copy_id, _SALT_DISPATCH)
         slot = tl.load(route.dest_slot + copies, mask=mine, other=0)
         tile = tl.load(route.dest_tile + copies, mask=mine, other=0)
         fits = (slot >= 0) & (slot < arena.slot_capacity) & (tile >= 0) & (tile < arena.tile_capacity)
         bad = mine & (fits == 0)
         if tl.max(bad.to(tl.int32)) > 0:
             first_bad = tl.min(tl.where(bad, offs_t[:, None], 1 << 30))
-            record_failure(control, rank, task, _BAD_SLOT, first_bad, arena.slot_capacity,
-                           tl.max(tl.where(bad, slot, 0)))
+            fail_world(control, arena, anchor_rank, rank, task, _BAD_SLOT, first_bad, arena.slot_capacity,
+                       tl.max(tl.where(bad, slot, 0)), rank * 0, WORLD, USE_TIMER)
         ok = mine & fits
         peer = tl.maximum(dest, 0)
-        copy_id = token_rows[:, None] * TOP_K + offs_k[None, :]
         tl.store(arena_ptr(arena.i32, arena, anchor_rank, peer, arena.slot_copy) + slot, copy_id.to(tl.int32),
                  mask=ok)
         score = tl.load(scores_ptr + copies, mask=mine, other=0.0)
@@ -311,6 +494,10 @@ def dispatch_task(
                 tl.store(token_slots + copy_id, tl.where(here & fits, slot, -1), mask=entry)
                 token_tiles = arena_ptr(arena.i32, arena, anchor_rank, p, arena.token_tiles)
                 tl.store(token_tiles + copy_id, tl.where(here & fits, tile, -1), mask=entry)
+        if RACE:
+            epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+            stamps = arena_ptr(arena.i32, arena, anchor_rank, peer, arena.slot_stamps)
+            tl.store(stamps + slot, tl.zeros_like(slot) + epoch, mask=ok)
         tl.debug_barrier()  # every thread's row and slot stores before any arrival
         tile_arrivals = arena_ptr(arena.i32, arena, anchor_rank, peer, arena.tile_arrivals)
         tl.atomic_add(tile_arrivals + tile, 1, mask=ok, sem="release", scope="sys")
@@ -321,7 +508,8 @@ def dispatch_tasks(
     control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base, silent_rank,
     num_dispatch_programs, local_first,
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr,
+    BD: tl.constexpr, KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr, USE_TIMER: tl.constexpr,
+    RACE: tl.constexpr,
 ):
     """A megakernel's dispatch phase: the first ``num_dispatch_programs``
     programs claim dispatch tasks until none is left. With ``local_first``,
@@ -341,7 +529,7 @@ def dispatch_tasks(
             while task < total:
                 dispatch_task(task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr,
                               route, arena, anchor_rank, silent_rank, part, WORLD, DIM, TOP_K, BT, BD, KP,
-                              ROW_PARTS, PRESUM)
+                              ROW_PARTS, PRESUM, USE_TIMER, RACE)
                 task = claim_task(control_ptr, counter)
 
 
@@ -362,11 +550,15 @@ def grouped_tile_task(task, num_tiles, col_blocks, GROUP_M: tl.constexpr):
 
 @triton.jit
 def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, use_order, timeout,
-                   NUM_LOCAL: tl.constexpr, GROUP_M: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr):
+                   NUM_LOCAL: tl.constexpr, GROUP_M: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
+                   WORLD: tl.constexpr, BM: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr):
     """Decode a GEMM tile task (local ranks interleaved: task -> (task % L,
     task // L); per rank, ``grouped_tile_task``; ``use_order``: tiles in
     ``route.tile_order``, local_first) and, ``WAIT``, wait (bounded) until
-    every row of its tile has arrived, recording a failure otherwise.
+    every row of its tile has arrived (``SLACK`` rows fewer: a test's
+    deliberate race), recording a failure otherwise. ``RACE`` (the bound is
+    zero polls): short is skipped, not a failure; past the wait, every slot
+    of the tile must carry this call's stamp (``race_slots_arrived``).
 
     Returns (ready, local rank, rank, tile, column block, local expert, first
     slot, end slot): ``ready`` when the task exists, its rank has not failed,
@@ -391,15 +583,41 @@ def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_
         m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
         if WAIT:
             arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals) + tile
-            seen = wait_counter_at_least(arrivals, m1 - m0, timeout, USE_TIMER)
-            if seen < m1 - m0:
-                record_failure(control, rank, task, _WAIT_TILE_ROWS, tile, m1 - m0, seen)
+            target = m1 - m0 - SLACK
+            seen, stopped = wait_counter_at_least(arrivals, target, abort_word(arena, anchor_rank, rank), timeout,
+                                                  USE_TIMER)
+            if seen < target:
+                if RACE:
+                    race_note(control, 0, _RACE_SKIPPED)
+                else:
+                    wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_ROWS, tile, m1 - m0, seen,
+                                stopped, timeout, WORLD, USE_TIMER)
                 ready = m1 < 0
             else:
                 ready = m1 <= arena.slot_capacity
+                if RACE:
+                    ready = ready & race_slots_arrived(arena, anchor_rank, rank, control, task, tile, m0, m1, BM)
         else:
             ready = m1 <= arena.slot_capacity
     return ready, local, rank, tile, col_block, expert, m0, m1
+
+
+@triton.jit
+def race_slots_arrived(arena, anchor_rank, rank, control, task, tile, m0, m1, BM: tl.constexpr):
+    """Race mode, a tile task past its wait: whether every slot of the tile
+    carries this call's arrival stamp; counts the task as passed, or as a
+    violation (then it is skipped: its slots name no row)."""
+    epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+    offs = m0 + tl.arange(0, BM)
+    mask = (offs < m1) & (offs < arena.slot_capacity)
+    stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_stamps)
+    missing = mask & (tl.load(stamps + offs, mask=mask, other=0, cache_modifier=".cg") != epoch)
+    arrived = tl.max(missing.to(tl.int32)) == 0
+    if arrived:
+        race_note(control, 0, _RACE_PASSED)
+    else:
+        race_violation(control, 0, _WAIT_TILE_ROWS, task, tile, tl.min(tl.where(missing, offs, 1 << 30)))
+    return arrived
 
 
 @triton.jit
@@ -444,20 +662,56 @@ def release_or_defer(source, token, rows, pending_source, pending_token, pending
 
 @triton.jit
 def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, expected, timeout,
-                    USE_TIMER: tl.constexpr, PER_TOKEN: tl.constexpr = False):
+                    USE_TIMER: tl.constexpr, WORLD: tl.constexpr, PER_TOKEN: tl.constexpr = False,
+                    RACE: tl.constexpr = False, SLACK: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
+                    COL_BLOCKS: tl.constexpr = 1):
     """A reduce task's wait (bounded) until each of its tokens ``offs_t``
     (under ``mask_t``) has ``expected`` arrivals (one count for all, or one
-    per token: ``PER_TOKEN``); records a failure otherwise. Returns whether
-    all arrived."""
+    per token: ``PER_TOKEN``; ``SLACK`` fewer: a test's deliberate race);
+    records a failure otherwise. Returns whether all arrived. ``RACE`` (the
+    bound is zero polls): short is skipped, not a failure; past the wait,
+    every column block of the ``TOP_K`` returned rows of every token must
+    carry this call's stamp (``race_rows_arrived``)."""
     arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals) + offs_t
-    seen = wait_counters_at_least(arrivals, mask_t, expected, timeout, USE_TIMER)
-    short = mask_t & (seen < expected)
+    target = expected - SLACK
+    seen, stopped = wait_counters_at_least(arrivals, mask_t, target, abort_word(arena, anchor_rank, rank), timeout,
+                                           USE_TIMER)
+    short = mask_t & (seen < target)
     failed = tl.max(short.to(tl.int32)) > 0
     if failed:
-        first = tl.min(tl.where(short, offs_t, 1 << 30))
-        if PER_TOKEN:
-            wanted = tl.max(tl.where(short, expected, 0))
+        if RACE:
+            race_note(control, 1, _RACE_SKIPPED)
         else:
-            wanted = expected
-        record_failure(control, rank, task, _WAIT_TOKEN_ROWS, first, wanted, tl.min(tl.where(short, seen, 1 << 30)))
+            first = tl.min(tl.where(short, offs_t, 1 << 30))
+            if PER_TOKEN:
+                wanted = tl.max(tl.where(short, expected, 0))
+            else:
+                wanted = expected
+            wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TOKEN_ROWS, first, wanted,
+                        tl.min(tl.where(short, seen, 1 << 30)), stopped, timeout, WORLD, USE_TIMER)
+    elif RACE:
+        failed = race_rows_arrived(arena, anchor_rank, rank, control, task, offs_t, mask_t, TOP_K, COL_BLOCKS) == 0
     return failed == 0
+
+
+@triton.jit
+def race_rows_arrived(arena, anchor_rank, rank, control, task, offs_t, mask_t, TOP_K: tl.constexpr,
+                      COL_BLOCKS: tl.constexpr):
+    """Race mode, a reduce task past its wait: whether every column block of
+    its tokens' returned rows carries this call's stamp; counts the task as
+    passed, or as a violation (then it is skipped)."""
+    epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
+    stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.row_stamps)
+    first = tl.full([], 1 << 30, tl.int32)
+    for k in range(TOP_K):
+        rows = offs_t * TOP_K + k
+        for col_block in range(COL_BLOCKS):
+            stamp = tl.load(stamps + rows.to(tl.int64) * COL_BLOCKS + col_block, mask=mask_t, other=0,
+                            cache_modifier=".cg")
+            first = tl.minimum(first, tl.min(tl.where(mask_t & (stamp != epoch), rows, 1 << 30)))
+    arrived = first == 1 << 30
+    if arrived:
+        race_note(control, 1, _RACE_PASSED)
+    else:
+        race_violation(control, 1, _WAIT_TOKEN_ROWS, task, first // TOP_K, first)
+    return arrived

@@ -328,9 +328,12 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
     h = ws.h
     h13 = call.h13
     g32 = bws.g32_buffer() if h13 is not None else h
-    shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
+    if p.debug_race:
+        ws.start_race_report(p)
+    shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
                       KP=triton.next_power_of_2(top_k), SCORE_BEFORE=score_before, GROUP_M=p.group_m,
-                      BT=p.reduce_block_tokens, PRECISION=precision(ws), USE_TIMER=use_timer(ws))
+                      BT=p.reduce_block_tokens, PRECISION=precision(ws), USE_TIMER=use_timer(ws),
+                      RACE=p.debug_race, SLACK=p.debug_wait_slack)
 
     # With saved h1 | h3 the dH tile is a plain GEMM tile (128 registers): two
     # programs per SM let one's fp32 G stores overlap the other's K-loop.
@@ -350,7 +353,7 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
             call.w1.stride(0), h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), saved,
             saved.stride(0), g32, bws.slot_rows, bws.slot_rows.stride(0), ws.control, ws.arena_args, ws.anchor_rank,
             ws.rank_base, do_dispatch, do_tiles, dispatch_programs, p.debug_silent_rank, timeout, int(p.local_first),
-            WORLD=s.world_size, BM=p.block_m, BN=p.dh_block_n, BK=p.dh_block_k, BD=p.dispatch_block_dim,
+            BM=p.block_m, BN=p.dh_block_n, BK=p.dh_block_k, BD=p.dispatch_block_dim,
             TWO_PASS=p.dh_two_pass, SAVED_H13=h13 is not None, COPY_ROWS=copy_rows,
             BDC=min(64, triton.next_power_of_2(dim)), **{**shape_meta, "BT": p.dispatch_block_tokens}, **dh_opts,
         )
@@ -399,7 +402,9 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
         elif phase == "da":
             da_combine(1, 0)
         elif phase == "wgrad":
-            dws = _weight_grads(bws, call, p, score_before, poison, copy_rows)
+            # (Race mode leaves rows undelivered on purpose: no weight gradients of them.)
+            if not p.debug_race:
+                dws = _weight_grads(bws, call, p, score_before, poison, copy_rows)
         elif phase == "reduce":
             da_combine(0, 1)
         else:

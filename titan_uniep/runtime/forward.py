@@ -228,9 +228,12 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             "with combine='presum' serves every combine mode"
         )
     y = ws.y if (staged or presum) else ws.h  # never read unless staged / presum
+    if p.debug_race:
+        ws.start_race_report(p)
     shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
                       KP=triton.next_power_of_2(s.top_k), SCORE_BEFORE=score_before, GROUP_M=p.group_m,
-                      PRECISION=precision(ws), USE_TIMER=use_timer(ws), PRESUM=presum)
+                      PRECISION=precision(ws), USE_TIMER=use_timer(ws), PRESUM=presum, RACE=p.debug_race,
+                      SLACK=p.debug_wait_slack)
 
     def dispatch_fc1(do_dispatch: int, do_fc1: int, dispatch_programs: int) -> None:
         dispatch_fc1_kernel[grid](

@@ -147,7 +147,11 @@ def interpreting() -> bool:
 
 
 def wait_bound(ws: Workspace, params: LayerParams) -> int:
-    """Microseconds (GPU) or polls (interpreter): an int32 either way, so no recompile."""
+    """Microseconds (GPU) or polls (interpreter): an int32 either way, so no
+    recompile. Zero in race mode (``LayerParams.debug_race``): every wait
+    polls once, and a tile or token not ready is skipped."""
+    if params.debug_race:
+        return 0
     return min(int(params.timeout_s * 1e6), 2**31 - 1) if use_timer(ws) else params.interpreter_max_spins
 
 

@@ -27,6 +27,11 @@ token_slots        4 * W * T * K      dispatch (copy id -> slot here, or -1;
 token_tiles        4 * W * T * K      dispatch (copy id -> tile here; presum)
 partials           4 * T * W * D      presum tasks (fp32 partial of token t
                                       from expert rank r at row t * W + r)
+abort              8 * ABORT_WORDS    the first failing rank (claim, abort
+                                      word, its error record)
+slot_stamps        4 * S              dispatch (race mode only, else 0)
+row_stamps         4 * T * K *        combine (race mode only, else 0)
+                   cdiv(D, 16)
 =================  =================  =====================================
 
 each rounded up to 256 bytes. Local (not symmetric) per rank: ``h``
@@ -51,19 +56,24 @@ Two ways to build one:
   process (CPU interpreter or one GPU); the "peer pointers" are the other
   ranks' tensors. The kernels cannot tell the difference.
 
-Error checks: a kernel that times out leaves a record in the control words.
-``check_errors()`` reads it (a device-to-host sync). ``poll_errors()`` does
-not sync: it inspects the copy that ``schedule_error_poll()`` queued on the
-stream after an earlier call, once that copy has landed. The fused forward
-polls at entry and queues a copy at exit, so a failure surfaces at the next
-MoE call at the latest; call ``check_errors()`` at the end of a step to be
-sure. After a timeout the workspace is unusable (ranks' epochs and counters
-disagree): raise, and rebuild it.
+Error checks: a kernel that times out leaves a record in the control words
+and stops every rank through the abort words (``kernels.scoreboard``): each
+rank's error names the rank, task and counter that failed first.
+``check_errors()`` reads both (a device-to-host sync). ``poll_errors()`` does
+not sync: it inspects the copies that ``schedule_error_poll()`` queued on the
+stream after earlier calls, oldest first, once each has landed (a ring of
+pinned copies: a later call never discards an earlier copy still in flight,
+so a failure surfaces at the first MoE call after the failed call's kernels
+have finished). The fused path polls at entry and queues a copy at exit;
+``titan_uniep.op.raise_pending_errors()`` checks every workspace at the end
+of a training step. After a failure the workspace is unusable (ranks' epochs
+and counters disagree; its abort word stays set): raise, and rebuild it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -71,11 +81,18 @@ import torch.distributed as dist
 
 from ..kernels.route import MAX_EXPERTS, ROUTE_TABLE_ROWS, num_route_blocks
 from ..kernels.scoreboard import (
+    ABORT_FIELDS,
+    ABORT_WORDS,
     BAD_SLOT,
     CONTROL_WORDS,
     CTL_EPOCH,
     CTL_ERROR,
+    CTL_RACE,
     ERROR_FIELDS,
+    FAILED,
+    RACE_FIELDS,
+    RACE_KEEP_ONE,
+    STOPPED,
     WAIT_COUNTS_FLAG,
     WAIT_TILE_DONE,
     WAIT_TILE_ROWS,
@@ -95,6 +112,7 @@ ARENA_DTYPES = {
     "returned": None, "token_arrivals": torch.int32, "tile_done": torch.int32, "counts": torch.int64,
     "count_flags": torch.int64,
     "token_slots": torch.int32, "token_tiles": torch.int32, "partials": torch.float32,
+    "abort": torch.int64, "slot_stamps": torch.int32, "row_stamps": torch.int32,
 }
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,6 +132,7 @@ class WorkspaceShape:
     block_m: int
     staged_combine: bool = False
     presum_combine: bool = False
+    race_stamps: bool = False  # the arrival stamps of race mode (LayerParams.debug_race, testing only)
 
     @property
     def num_local_experts(self) -> int:
@@ -153,6 +172,10 @@ class WorkspaceShape:
             "token_slots": 4 * w * t * k if self.presum_combine else 0,
             "token_tiles": 4 * w * t * k if self.presum_combine else 0,
             "partials": 4 * t * w * d if self.presum_combine else 0,
+            "abort": 8 * ABORT_WORDS,
+            # Race mode only: a slot's and a returned row's (per 16 columns) arrival stamp.
+            "slot_stamps": 4 * s if self.race_stamps else 0,
+            "row_stamps": 4 * t * k * -(-d // 16) if self.race_stamps else 0,
         }
 
     def arena_offsets(self) -> tuple[dict[str, int], int]:
@@ -246,7 +269,7 @@ class Workspace:
         world_size = dist.get_world_size(group)
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
-                               params.combine == "staged", params.combine == "presum")
+                               params.combine == "staged", params.combine == "presum", params.debug_race)
         return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, params=params,
                    group=group)
 
@@ -258,7 +281,7 @@ class Workspace:
         the whole world); ``params`` as ``for_group``."""
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
-                               params.combine == "staged", params.combine == "presum")
+                               params.combine == "staged", params.combine == "presum", params.debug_race)
         return cls(shape=shape, rank_base=0, num_local_ranks=world_size, device=torch.device(device),
                    params=params, group=None)
 
@@ -319,18 +342,18 @@ class Workspace:
             self.arena_ptrs, self.anchors[shape.dtype], self.anchors[torch.int32], self.anchors[torch.float32],
             self.anchors[torch.int64], off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
             off["returned"], self.offsets["returned"] // 4, off["token_arrivals"], off["tile_done"], off["counts"],
-            off["count_flags"], off["token_slots"], off["token_tiles"], off["partials"], shape.token_capacity,
-            shape.slot_capacity, shape.tile_capacity,
+            off["count_flags"], off["token_slots"], off["token_tiles"], off["partials"], off["abort"],
+            off["slot_stamps"], off["row_stamps"], shape.token_capacity, shape.slot_capacity, shape.tile_capacity,
         )
         self.route_args = Route(
             self.dest_rank, self.dest_slot, self.dest_tile, self.dest_rank.stride(0), self.num_tokens,
             self.tile_expert, self.tile_start, self.tile_end, self.tile_order, self.tile_expert.stride(0),
             self.num_tiles, self.route_tables,
         )
-        pinned = dev.type == "cuda"
-        self._error_host = torch.zeros(n, CONTROL_WORDS, dtype=torch.int64, pin_memory=pinned)
-        self._error_event = torch.cuda.Event() if pinned else None
-        self._error_poll_pending = False
+        start = self.offsets["abort"]
+        self.abort_words = self.arena[..., start:start + 8 * ABORT_WORDS].view(torch.int64).view(n, ABORT_WORDS)
+        self._error_copies = ErrorCopies(n, dev)
+        self._failure: str | None = None  # the message of a failure seen, raised again by every later check
 
     @property
     def world_size(self) -> int:
@@ -393,45 +416,137 @@ class Workspace:
 
     # ---- errors ---------------------------------------------------------
 
-    def _raise_from(self, records: torch.Tensor) -> None:
+    def _raise_from(self, control: torch.Tensor, aborts: torch.Tensor) -> None:
+        """Raise the failure that copies of the control words and abort words
+        ``(L, ...)`` show, if any (and remember it)."""
+        if self._failure is None:
+            self._failure = self._failure_message(control[:, CTL_ERROR:CTL_ERROR + len(ERROR_FIELDS)], aborts)
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+
+    def _failure_message(self, records: torch.Tensor, aborts: torch.Tensor) -> str | None:
+        role, descriptions = self.error_context
+        timeout = (f"{self.params.timeout_s:g} s" if self.device.type == "cuda"
+                   else f"{self.params.interpreter_max_spins} polls")
+
+        def failure(rec: dict) -> str:
+            text = descriptions.get(rec["what"], "an unknown wait ({what})").format(**rec)
+            if rec["what"] == BAD_SLOT:
+                return f"{text}; capacity {rec['expected']}, slot {rec['seen']}"
+            return f"{text}; expected {rec['expected']}, saw {rec['seen']} after {timeout}"
+
+        root, ranks = None, []
         for local in range(records.shape[0]):
             rec = dict(zip(ERROR_FIELDS, records[local].tolist()))
-            if rec["flag"]:
-                role, descriptions = self.error_context
-                what = descriptions.get(rec["what"], "an unknown wait ({what})").format(**rec)
-                timeout = (f"{self.params.timeout_s:g} s" if self.device.type == "cuda"
-                           else f"{self.params.interpreter_max_spins} polls")
-                raise RuntimeError(
-                    f"UniEP {role} failed on EP rank {rec['rank']} (call epoch {rec['epoch']}, task {rec['task']}): "
-                    f"{what}; expected {rec['expected']}, saw {rec['seen']} after {timeout}. A peer rank did not "
-                    f"reach this MoE layer or stopped sending (see the other ranks' errors). This workspace is "
-                    f"unusable now; rebuild it (or raise LayerParams.timeout_s if a peer is merely slow)."
-                )
+            abort = dict(zip(ABORT_FIELDS, aborts[local].tolist()))
+            if abort["code"]:
+                root = abort
+            ranks.append((self.rank_base + local, rec))
+        first = (f"EP rank {root['rank']} failed first (call epoch {root['epoch']}, task {root['task']}): "
+                 f"{failure(root)}") if root is not None else None
+        lines = []
+        for rank, rec in ranks:
+            where = f"EP rank {rank} (call epoch {rec['epoch']}, task {rec['task']})"
+            if rec["flag"] == FAILED and root is None:  # (its abort words have not reached this rank)
+                lines.append(f"UniEP {role} failed on {where}: {failure(rec)}.")
+            elif rec["flag"] == FAILED and root["rank"] == rank:
+                lines.insert(0, f"UniEP {role} failed on {where}: {failure(rec)}. It failed first: every other EP "
+                                "rank stopped at its next wait.")
+            elif rec["flag"] == FAILED:
+                lines.append(f"UniEP {role} failed on {where}: {failure(rec)}; {first}.")
+            elif rec["flag"] == STOPPED:
+                text = descriptions.get(rec["what"], "an unknown wait ({what})").format(**rec)
+                lines.append(f"UniEP {role} stopped on {where}, in {text} (saw {rec['seen']} of {rec['expected']}), "
+                             f"because {first}.")
+            elif root is not None:
+                lines.append(f"UniEP {role} stopped on EP rank {rank} because {first}.")
+        if not lines:
+            return None
+        return "\n".join(lines) + (
+            "\nA peer rank did not reach this MoE layer or stopped sending (see the other ranks' errors). This "
+            "workspace is unusable now; rebuild it (or raise LayerParams.timeout_s if a peer is merely slow).")
 
     def check_errors(self) -> None:
-        """Raise RuntimeError if a kernel of this rank timed out (syncs with the device)."""
-        self._raise_from(self.control[:, CTL_ERROR:CTL_ERROR + len(ERROR_FIELDS)].cpu())
+        """Raise RuntimeError if a kernel of this rank failed or was stopped by a
+        failed peer (syncs with the device); the message names the rank, task
+        and counter that failed first."""
+        self._raise_from(self.control.cpu(), self.abort_words.cpu())
 
     def poll_errors(self) -> None:
-        """Raise if an earlier queued copy of the error record (``schedule_error_poll``)
+        """Raise if an earlier queued copy of the error words (``schedule_error_poll``)
         has landed and shows a failure. Never waits for the device."""
-        if self._error_event is None or torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        if self._error_poll_pending and self._error_event.query():
-            self._error_poll_pending = False
-            self._raise_from(self._error_host[:, CTL_ERROR:CTL_ERROR + len(ERROR_FIELDS)])
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        for control, aborts in self._error_copies.landed():
+            self._raise_from(control, aborts)
 
     def schedule_error_poll(self) -> None:
-        """Queue a copy of the error record to pinned host memory on the current
-        stream (no sync); skipped during CUDA-graph capture."""
-        if self._error_event is None:
-            self.check_errors()
+        """Queue a copy of the error words (control and abort words) to pinned host
+        memory on the current stream (no sync); skipped during CUDA-graph capture."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        if torch.cuda.is_current_stream_capturing():
-            return
-        self._error_host.copy_(self.control, non_blocking=True)  # whole rows: one contiguous async copy
-        self._error_event.record()
-        self._error_poll_pending = True
+        self._error_copies.push(self.control, self.abort_words)
+
+    def start_race_report(self, params: LayerParams) -> None:
+        """Race mode (``params.debug_race``, testing only): the seed and keep
+        threshold of this call's producers, every count of the race report zeroed."""
+        if not self.shape.race_stamps:
+            raise ValueError("LayerParams.debug_race needs a workspace built with it (it allocates the arrival "
+                             "stamps): pass params with debug_race=True when building the workspace")
+        words = torch.zeros(len(RACE_FIELDS), dtype=torch.int64)
+        words[0], words[1] = params.debug_race_seed, round(params.debug_race_keep * RACE_KEEP_ONE)
+        self.control[:, CTL_RACE:CTL_RACE + len(RACE_FIELDS)] = words.to(self.device)
+
+    def race_report(self) -> list[dict[str, int]]:
+        """Race mode (testing only): per local rank, what the last call's
+        tile-rows waits (fc1, dH tiles) and token-rows waits (reduce tasks)
+        did: ``*_skipped`` (not ready at their one poll), ``*_passed`` (every
+        row they read had arrived), ``*_violations`` (passed their wait, but a
+        row they would read had not arrived: a race), and the first violation
+        (``first_what``: ``WAIT_TILE_ROWS`` or ``WAIT_TOKEN_ROWS``, its task,
+        tile or token and the slot or returned row missing)."""
+        words = self.control[:, CTL_RACE:CTL_RACE + len(RACE_FIELDS)].cpu()
+        return [dict(zip(RACE_FIELDS, row.tolist())) for row in words]
+
+
+class ErrorCopies:
+    """A ring of copies of a workspace's error words (control words, abort
+    words), queued on the stream after calls and inspected once landed,
+    oldest first. A new copy takes a free slot, or else the newest pending
+    one (its copy is superseded by one queued after it), never an older one:
+    while the host runs ahead of a kernel that spins for its timeout, the
+    first copy queued after it still lands right after it. The error record
+    is sticky, so any copy after a failure shows it. On CPU the copies are
+    synchronous and land at once."""
+
+    SLOTS = 4
+
+    def __init__(self, num_local: int, device: torch.device):
+        pinned = device.type == "cuda"
+        self.control = [torch.zeros(num_local, CONTROL_WORDS, dtype=torch.int64, pin_memory=pinned)
+                        for _ in range(self.SLOTS)]
+        self.aborts = [torch.zeros(num_local, ABORT_WORDS, dtype=torch.int64, pin_memory=pinned)
+                       for _ in range(self.SLOTS)]
+        self.events = [torch.cuda.Event() if pinned else None for _ in range(self.SLOTS)]
+        self.pending: deque[int] = deque()
+        self.free = list(range(self.SLOTS))
+
+    def push(self, control: torch.Tensor, aborts: torch.Tensor) -> None:
+        slot = self.free.pop() if self.free else self.pending.pop()
+        self.control[slot].copy_(control, non_blocking=True)
+        self.aborts[slot].copy_(aborts, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        self.pending.append(slot)
+
+    def landed(self):
+        """Yield (control, abort words) of every copy that has landed, oldest first."""
+        while self.pending and (self.events[self.pending[0]] is None or self.events[self.pending[0]].query()):
+            slot = self.pending.popleft()
+            self.free.append(slot)
+            yield self.control[slot], self.aborts[slot]
 
 
 class BackwardWorkspace:
