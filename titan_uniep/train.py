@@ -56,9 +56,20 @@ class LossRecordingTrainer(Trainer):
 
         self.metrics_processor.log = log_and_record
 
+    def train_step(self, data_iterator) -> None:
+        # The trainer's step (restored from a checkpoint on resume) names the
+        # step in guard messages and the test hooks.
+        for model in self.model_parts:
+            if getattr(model, "uniep_steps", None) is not None:
+                model.uniep_steps.start_step(self.step)
+        super().train_step(data_iterator)
+
     def train(self) -> None:
         super().train()
         self._finished = True
+        for model in self.model_parts:
+            if getattr(model, "uniep_guard", None) is not None:
+                model.uniep_guard.flush()  # the last check-mode verdicts
 
     def close(self) -> None:
         super().close()
