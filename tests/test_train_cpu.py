@@ -9,6 +9,7 @@ A step costs about 5 CPU-seconds here, a launch about 25.
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from titan_uniep.compare_loss import compare, load_run
-from titan_uniep.oracle import float64_moe_oracle
+from titan_uniep.testing import check_recorded_layers
 from training import BASELINE, UNIEP, RunTimedOut, run_in_own_group, train
 
 pytestmark = pytest.mark.slow
@@ -53,14 +54,20 @@ def resumed_steps() -> list[int]:
     return list(range(CHECKPOINT_STEP + 1, STEPS + 1))
 
 
+def _train_and_save(config, dump_folder):
+    run = train(config, dump_folder, *SMALL_BATCH, *SAVE, steps=STEPS)
+    yield run
+    shutil.rmtree(dump_folder / "checkpoint", ignore_errors=True)  # about 0.5 GB
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    return train(BASELINE, tmp_path_factory.mktemp("baseline"), *SMALL_BATCH, *SAVE, steps=STEPS)
+    yield from _train_and_save(BASELINE, tmp_path_factory.mktemp("baseline"))
 
 
 @pytest.fixture(scope="module")
 def uniep(tmp_path_factory):
-    return train(UNIEP, tmp_path_factory.mktemp("uniep"), *SMALL_BATCH, *SAVE, steps=STEPS)
+    yield from _train_and_save(UNIEP, tmp_path_factory.mktemp("uniep"))
 
 
 def test_deepseek_v3_baseline_learns_on_cpu(baseline):
@@ -155,22 +162,12 @@ def one_expert_then_strict_guard(tmp_path_factory):
 
 def test_every_token_on_one_expert_drops_nothing_and_the_loss_stays_finite(one_expert_then_strict_guard):
     run = one_expert_then_strict_guard
-    record = run.dump_folder / "record"
-    layers = sorted({p.name.split(".rank")[0] for p in record.glob("*.pt")})
-    assert len(layers) == 5, layers  # every MoE layer of deepseek_v3 debugmodel (layer 0 is dense)
-    for layer in layers:
-        saved = [torch.load(record / f"{layer}.rank{r}.pt") for r in (0, 1)]
-        # Global expert weights: rank r holds experts [r * El, (r + 1) * El).
-        w1, w2, w3 = (torch.cat([s[name] for s in saved]) for name in ("w1", "w2", "w3"))
-        top_k = saved[0]["selected_experts_indices"].shape[1]
-        assert top_k <= w1.shape[0] // 2, "experts 0..K-1 are not all on EP rank 0"
-        for rank, s in enumerate(saved):
-            indices = s["selected_experts_indices"]
-            assert torch.equal(indices, torch.arange(top_k).expand_as(indices)), f"{layer} rank {rank}: not forced"
-            oracle = float64_moe_oracle(s["x"], s["top_scores"], indices, w1, w2, w3, score_before_experts=False)
-            # Per token: a dropped copy (or token) would miss a whole expert's row.
-            err = (s["out"].double() - oracle).norm(dim=1) / oracle.norm(dim=1)
-            assert err.max() <= ORACLE_RTOL[s["out"].dtype], f"{layer} rank {rank}: max per-token rel err {err.max():.3e}"
+    checked = check_recorded_layers(run.dump_folder / "record")
+    # Every MoE layer of deepseek_v3 debugmodel (layer 0 is dense), both ranks.
+    assert [(c.layer, c.rank) for c in checked] == [(f"layers.{i}.moe.experts", r) for i in range(1, 6) for r in (0, 1)]
+    for c in checked:
+        assert c.forced, f"{c.layer} rank {c.rank}: routing was not overridden"
+        assert c.max_token_rel_err <= ORACLE_RTOL[c.dtype], c
     logged = [json.loads(line) for line in (run.dump_folder / "loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, ONE_EXPERT_STEP], logged  # step 3 stopped in its forward
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in logged), logged

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ENV_GUARD_FLIP", "ENV_ONE_EXPERT_STEP", "ENV_RECORD_DIR", "UniEPTestHooks"]
+__all__ = ["ENV_GUARD_FLIP", "ENV_ONE_EXPERT_STEP", "ENV_RECORD_DIR", "RecordedLayer", "UniEPTestHooks",
+           "check_recorded_layers"]
 
 ENV_ONE_EXPERT_STEP = "UNIEP_TEST_ONE_EXPERT_STEP"
 ENV_RECORD_DIR = "UNIEP_TEST_RECORD_DIR"
@@ -113,3 +115,40 @@ class UniEPTestHooks:
         os.makedirs(self.record_dir, exist_ok=True)
         torch.save({k: v.detach().cpu().clone() for k, v in tensors.items()},
                    os.path.join(self.record_dir, f"{layer}.rank{rank}.pt"))
+
+
+@dataclass(frozen=True)
+class RecordedLayer:
+    """One rank's recorded MoE layer checked against float64 (``check_recorded_layers``)."""
+
+    layer: str
+    rank: int
+    dtype: torch.dtype
+    forced: bool
+    """Every token routed to experts 0..K-1."""
+    max_token_rel_err: float
+    """Largest ``|out[t] - oracle[t]| / |oracle[t]|`` over the rank's tokens: a
+    dropped token, or copy, misses a whole expert row."""
+
+
+def check_recorded_layers(record_dir: str | Path, *, score_before_experts: bool = False) -> list[RecordedLayer]:
+    """Every layer and rank saved under ``record_dir`` by ``UNIEP_TEST_RECORD_DIR``,
+    against ``oracle.float64_moe_oracle`` with the global expert weights (rank
+    r's shard holds experts ``[r * El, (r + 1) * El)``)."""
+    from titan_uniep.oracle import float64_moe_oracle
+
+    record_dir = Path(record_dir)
+    layers = sorted({p.name.rsplit(".rank", 1)[0] for p in record_dir.glob("*.rank*.pt")})
+    results = []
+    for layer in layers:
+        paths = sorted(record_dir.glob(f"{layer}.rank*.pt"), key=lambda p: int(p.stem.rsplit(".rank", 1)[1]))
+        saved = [torch.load(p) for p in paths]
+        w1, w2, w3 = (torch.cat([s[name] for s in saved]) for name in ("w1", "w2", "w3"))
+        for rank, s in enumerate(saved):
+            indices = s["selected_experts_indices"]
+            forced = bool(torch.equal(indices, torch.arange(indices.shape[1]).expand_as(indices)))
+            oracle = float64_moe_oracle(s["x"], s["top_scores"], indices, w1, w2, w3,
+                                        score_before_experts=score_before_experts)
+            err = (s["out"].double() - oracle).norm(dim=1) / oracle.norm(dim=1)
+            results.append(RecordedLayer(layer, rank, s["out"].dtype, forced, float(err.max())))
+    return results
