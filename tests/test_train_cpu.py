@@ -9,6 +9,7 @@ A step costs about 5 CPU-seconds here, a launch about 25.
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -177,11 +178,13 @@ def test_strict_guard_stops_every_rank_at_the_planted_step(one_expert_then_stric
     run = one_expert_then_strict_guard
     message = (f"UniEP guard (strict): layer layers.5.moe.experts at step {PLANTED_STEP} is not bitwise equal to "
                "the non-overlapped schedule on at least one EP rank")
-    # Every rank raises the guard's error, rank 0 too, whose own bits matched: the flag
-    # was all-reduced, so neither rank was left waiting in a collective (no timeout).
-    for rank in (0, 1):
-        assert any(message in line for line in run.rank_lines(rank)), f"rank {rank} did not raise:\n" + \
-            "\n".join(run.rank_lines(rank)[-30:])
+    # Every rank raises the guard's error and exits 1 by itself (not stopped by
+    # torchrun), rank 0 too, whose own bits matched: the flag was all-reduced,
+    # so neither rank was left waiting in a collective.
+    failures = run.failures()
+    assert sorted(failures) == [0, 1], run.output[-4000:]
+    for rank, failure in failures.items():
+        assert re.search(r"exitcode\s*: 1 ", failure) and message in failure, f"rank {rank}: {failure}"
     assert any(f"step {PLANTED_STEP}: output differs bitwise" in line for line in run.rank_lines(1))
     assert not any(f"step {PLANTED_STEP}: output differs bitwise" in line for line in run.rank_lines(0))
 

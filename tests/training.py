@@ -66,6 +66,17 @@ class TrainRun:
         """``{step: loss}`` from its loss.jsonl."""
         return load_run(self.dump_folder).losses
 
+    def failures(self) -> dict[int, str]:
+        """torchrun's failure summary, by rank: each failed rank's exit code and the
+        traceback it wrote to its error file before exiting (present even when
+        torchrun stopped it afterwards)."""
+        blocks = {}
+        for block in self.output.split("  rank      : ")[1:]:
+            rank, _, rest = block.partition(" ")
+            if rank.isdigit():
+                blocks[int(rank)] = rest.split("\n[", 1)[0].split("\n----", 1)[0]
+        return blocks
+
     def rank_lines(self, rank: int) -> list[str]:
         """Lines that rank printed (torchrun prefixes each with ``[rank<R>]:``)."""
         prefix = f"[rank{rank}]:"
