@@ -4,7 +4,8 @@ The GPUs are hidden from the runs, so this is the CPU path on every machine
 (schedule "reference"). One run serves several tests: the baseline and UniEP
 runs train STEPS steps and save a full DCP checkpoint at CHECKPOINT_STEP;
 each resumed run restarts from one of those checkpoints and trains to STEPS.
-A step costs about 5 CPU-seconds here, a launch about 25.
+On a 2-core machine a step takes about 5 s and a launch (start-up, checkpoint
+load, teardown) about 20 s: launches, not steps, are what to save.
 """
 
 import json

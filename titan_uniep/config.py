@@ -40,8 +40,8 @@ class UniEP:
     every ``guard_interval`` steps, recompute one MoE layer's output with the
     non-overlapped schedule of the same kernels and log any bitwise difference
     with layer and step; it never waits for the device (the verdict is
-    copied to the host without blocking and logged at the next step at the
-    latest). ``"strict"``: like check, but raise on the first difference (on
+    copied to the host without blocking and logged at a later step's first
+    forward once it has landed, or after the last step). ``"strict"``: like check, but raise on the first difference (on
     every rank, so no rank is left waiting); this costs one all-reduce and
     one host sync per checked step. Both cost one extra forward of the
     guarded layer per checked step."""

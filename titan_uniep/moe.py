@@ -69,9 +69,9 @@ class BitwiseGuard:
     - ``mode="check"`` logs a difference with layer and step and trains on.
       It never waits for the device: the verdict (differing elements, max
       abs difference) is computed on the device and copied to pinned host
-      memory without blocking; ``poll`` logs it once the copy has landed (at
-      the next step's first forward at the latest on a GPU, always then on
-      CPU) and ``flush`` (end of training) waits for the last one.
+      memory without blocking; ``poll`` (every step's first forward) logs it
+      once the copy has landed, and ``flush`` (after the last step) waits for
+      the last ones.
     - ``mode="strict"`` raises on every rank of the EP group: the mismatch
       flag is all-reduced first, so no rank is left waiting in a collective.
       This costs one all-reduce and one host sync per checked step.
