@@ -1,12 +1,18 @@
-"""The [uniep] guard: recompute a layer and compare bits; strict mode fails on every rank together."""
+"""The [uniep] guard: recompute a layer and compare bits; strict mode fails on every rank together.
+
+The guard in real training runs (a planted difference named by layer and
+step, strict mode stopping both processes) is in test_train_cpu.py.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from torchtitan.models.moe.moe import MoE, MoEArgs
@@ -42,9 +48,8 @@ def _flaky_on_rank1(x, routing, w1, w2, w3, *, group, score_before_experts):
 _flaky_on_rank1.calls = 0
 
 
-def _guarded_layer(rank, world, mode, schedule, result_dir):
-    apply_cpu_shims()
-    register_schedule("flaky", _flaky_on_rank1, needs_cuda=False)
+def _guarded_layer(mesh, mode, schedule):
+    """Three steps of a guarded layer (checked at steps 1 and 3); its outcome and counts."""
     torch.manual_seed(0)
     moe = MoE(MoEArgs(num_experts=4, num_shared_experts=0, top_k=2), dim=16, hidden_dim=8)
     with torch.no_grad():
@@ -52,43 +57,102 @@ def _guarded_layer(rank, world, mode, schedule, result_dir):
     model = _Model(moe)
     _swap_to_uniep(model, UniEP(enable=True, schedule="reference"))
     moe.experts.schedule = schedule
-    parallelize_module(moe.experts, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), UniEPExpertParallel())
+    parallelize_module(moe.experts, mesh, UniEPExpertParallel())
     guard = BitwiseGuard(mode, interval=2)
     moe.experts.guard = guard
-    model.register_forward_pre_hook(guard.count_model_forward)
+    model.register_forward_pre_hook(guard.steps.count_model_forward)
 
-    torch.manual_seed(rank)
+    torch.manual_seed(torch.distributed.get_rank())
     outcome = "ok"
     try:
         for _ in range(3):  # steps 1, 2, 3: the guard checks steps 1 and 3
             model(torch.randn(1, 5, 16)).sum().backward()
     except RuntimeError as e:
         outcome = str(e)
+    guard.flush()
+    return {"outcome": outcome, "checks": guard.checks, "mismatches": guard.mismatches}
+
+
+CASES = (("strict", "reference"), ("strict", "flaky"), ("check", "flaky"))
+
+
+def _guarded_layers(rank, world, result_dir):
+    apply_cpu_shims()
+    register_schedule("flaky", _flaky_on_rank1, needs_cuda=False)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    results = {}
+    for mode, schedule in CASES:
+        _flaky_on_rank1.calls = 0
+        results[f"{mode}/{schedule}"] = _guarded_layer(mesh, mode, schedule)
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"outcome": outcome, "checks": guard.checks, "mismatches": guard.mismatches}, f)
+        json.dump(results, f)
 
 
-def _run(tmp_path, mode, schedule):
-    run_distributed(_guarded_layer, 2, mode, schedule, str(tmp_path))
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """Every case of CASES on the same 2 gloo processes: ``results[rank]["mode/schedule"]``."""
+    result_dir = tmp_path_factory.mktemp("guard")
+    run_distributed(_guarded_layers, 2, str(result_dir))
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_guard_passes_a_deterministic_schedule(tmp_path):
-    results = _run(tmp_path, "strict", "reference")
-    for r in results:
-        assert r == {"outcome": "ok", "checks": 2, "mismatches": 0}
+def test_guard_passes_a_deterministic_schedule(guarded):
+    for r in guarded:
+        assert r["strict/reference"] == {"outcome": "ok", "checks": 2, "mismatches": 0}
 
 
-def test_strict_guard_raises_on_every_rank_when_one_rank_differs(tmp_path):
-    results = _run(tmp_path, "strict", "flaky")
-    for rank, r in enumerate(results):
-        assert "not bitwise equal" in r["outcome"], f"rank {rank}: {r}"
-        assert r["checks"] == 1
-    assert [r["mismatches"] for r in results] == [0, 1]
+def test_strict_guard_raises_on_every_rank_when_one_rank_differs(guarded):
+    for rank, r in enumerate(guarded):
+        assert "not bitwise equal" in r["strict/flaky"]["outcome"], f"rank {rank}: {r}"
+        assert "layer moe.experts at step 1" in r["strict/flaky"]["outcome"], f"rank {rank}: {r}"
+        assert r["strict/flaky"]["checks"] == 1
+    assert [r["strict/flaky"]["mismatches"] for r in guarded] == [0, 1]
 
 
-def test_check_guard_counts_and_continues(tmp_path):
-    results = _run(tmp_path, "check", "flaky")
+def test_check_guard_counts_and_continues(guarded):
+    results = [r["check/flaky"] for r in guarded]
     assert [r["outcome"] for r in results] == ["ok", "ok"]
     assert [r["checks"] for r in results] == [2, 2]
-    assert results[1]["mismatches"] >= 1 and results[0]["mismatches"] == 0
+    assert results[1]["mismatches"] == 2 and results[0]["mismatches"] == 0
+
+
+# ---------------------------------------------------------------------------
+# Check mode does not wait for the device.
+# ---------------------------------------------------------------------------
+
+_HOST_SYNCS = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), int(), bool(), float() of a tensor
+    torch.ops.aten.equal.default,  # torch.equal returns a Python bool
+    torch.ops.aten.is_nonzero.default,
+}
+
+
+class _ForbidHostSyncs(TorchDispatchMode):
+    """Fails on any op that hands a tensor's value to the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_SYNCS:
+            raise AssertionError(f"{func} reads a tensor's value on the host (a device sync on GPU)")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["equal", "one_bit_differs"])
+def test_check_guard_compares_without_reading_values_on_the_host(planted, caplog):
+    guard = BitwiseGuard("check", interval=1)
+    guard.steps.start_step(7)
+    out = torch.randn(6, 16)
+    again = out.clone()
+    if planted:
+        again.view(torch.int32)[2, 3] ^= 1
+    with _ForbidHostSyncs():
+        guard.compare(out, again, "layers.3.moe.experts", None)
+    with caplog.at_level(logging.INFO, logger="titan_uniep.moe"):
+        guard.poll()  # the next step's first forward: the verdict is logged here
+    assert guard.checks == 1 and guard.mismatches == int(planted)
+    [record] = [r for r in caplog.records if "UniEP guard" in r.getMessage()]
+    if planted:
+        assert record.levelno == logging.WARNING
+        assert "layer layers.3.moe.experts step 7: output differs bitwise" in record.getMessage()
+        assert "in 1 of 96 elements" in record.getMessage()
+    else:
+        assert record.levelno == logging.INFO and "layers.3.moe.experts step 7: bitwise equal" in record.getMessage()

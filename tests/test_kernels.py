@@ -313,6 +313,33 @@ def test_workspace_grows_when_asked_and_keeps_working():
     assert_correct(w, seq, fus, score_before=False)
 
 
+def test_every_token_on_one_rank_fills_its_slots_exactly_and_a_grown_workspace_keeps_the_bits():
+    """Every token of every rank routed to experts 0..K-1, all local to rank 0
+    (K <= El): rank 0 receives W * T * K copies, exactly its slot capacity
+    ``W * T * min(K, El)``, rank 1 none. A used workspace grown to T gives
+    the bits of one built for T, and drops nothing (float64 oracle)."""
+    world, num_experts, top_k, num_tokens = 2, 8, 3, 11
+    w = make_world(world, num_experts, top_k, [num_tokens] * world, seed=81)
+    w["indices"] = [torch.arange(top_k).expand(num_tokens, top_k).contiguous() for _ in range(world)]
+    grown = Workspace.simulated(world, num_tokens=4, dim=DIM, hidden=HIDDEN, num_experts=num_experts, top_k=top_k,
+                                dtype=torch.float32, params=interpreter_params())
+    before = make_world(world, num_experts, top_k, [4, 3], seed=82)  # a used workspace: its epochs move on
+    simulated_moe_forward(before["xs"], before["scores"], before["indices"], before["w1s"], before["w2s"],
+                          before["w3s"], schedule="fused", score_before_experts=False, workspace=grown)
+    assert grown.ensure_capacity(num_tokens)
+    assert grown.shape.slot_capacity == world * num_tokens * top_k
+    seq, fus = run_both(w, score_before=False, workspace=grown)
+    assert_correct(w, seq, fus, score_before=False)
+    received = grown.counts_all[0, :, : num_experts // world].sum(), grown.counts_all[1, :, num_experts // world:].sum()
+    assert [int(n) for n in received] == [grown.shape.slot_capacity, 0]
+    fresh = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=num_experts,
+                                top_k=top_k, dtype=torch.float32, params=interpreter_params())
+    again = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
+                                  schedule="fused", score_before_experts=False, workspace=fresh)
+    for a, b in zip(fus, again):
+        assert torch.equal(a, b), "the grown workspace gives other bits than one built for T"
+
+
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens,block_m,case", [
     (2, 8, 3, [13, 9], 16, "random"),
     (4, 8, 3, [7, 0, 5, 9], 16, "random"),

@@ -44,8 +44,12 @@ class UniEP:
     """Runtime check of the bitwise contract. ``"off"``: none. ``"check"``:
     every ``guard_interval`` steps, recompute one MoE layer's output with the
     non-overlapped schedule of the same kernels and log any bitwise difference
-    with layer and step. ``"strict"``: like check, but raise on the first
-    difference (on every rank, so no rank is left waiting)."""
+    with layer and step; it never waits for the device (the verdict is
+    copied to the host without blocking and logged at a later step's first
+    forward once it has landed, or after the last step). ``"strict"``: like check, but raise on the first difference (on
+    every rank, so no rank is left waiting); this costs one all-reduce and
+    one host sync per checked step. Both cost one extra forward of the
+    guarded layer per checked step."""
 
     guard_interval: int = 100
     """Steps between two guard checks (``guard`` other than ``"off"``); the

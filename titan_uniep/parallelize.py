@@ -13,7 +13,8 @@
    TorchTitan's ``apply_moe_ep_tp`` puts on ``moe.experts``; at EP = 1, where
    TorchTitan shards no experts, each rank's experts get a one-rank group
    (all experts, this rank's tokens, no peer traffic);
-4. installs the bitwise guard if ``[uniep] guard`` asks for it.
+4. installs the step counter, the bitwise guard if ``[uniep] guard`` asks
+   for it, and the ``UNIEP_TEST_*`` hooks of ``titan_uniep.testing`` if set.
 
 With ``enable = false`` it calls the base parallelize_fn and nothing else.
 """
@@ -36,8 +37,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 
 from titan_uniep.config import UniEP
-from titan_uniep.moe import BitwiseGuard, UniEPGroupedExperts, UniEPMoE
+from titan_uniep.moe import BitwiseGuard, StepCounter, UniEPGroupedExperts, UniEPMoE
 from titan_uniep.schedules import available_schedules
+from titan_uniep.testing import UniEPTestHooks
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +243,19 @@ def _grad_accum_steps(parallel_dims, job_config) -> int:
     return max(1, global_batch // (local * parallel_dims.dp_replicate * parallel_dims.dp_shard))
 
 
-def _install_guard(model: nn.Module, swapped: list[tuple[str, UniEPMoE]], cfg: UniEP, parallel_dims, job_config) -> BitwiseGuard | None:
+def _install_step_counter(model: nn.Module, swapped: list[tuple[str, UniEPMoE]], parallel_dims, job_config) -> StepCounter:
+    steps = StepCounter(_grad_accum_steps(parallel_dims, job_config))
+    model.register_forward_pre_hook(steps.count_model_forward)
+    hooks = UniEPTestHooks.from_env()
+    if hooks is not None:
+        logger.warning("UniEP: testing-only hooks are active (titan_uniep.testing): %s", hooks)
+    for _, moe in swapped:
+        moe.experts.steps = steps
+        moe.experts.test_hooks = hooks
+    return steps
+
+
+def _install_guard(model: nn.Module, swapped: list[tuple[str, UniEPMoE]], cfg: UniEP, steps: StepCounter) -> BitwiseGuard | None:
     if cfg.guard == "off":
         return None
     try:
@@ -251,9 +265,10 @@ def _install_guard(model: nn.Module, swapped: list[tuple[str, UniEPMoE]], cfg: U
             f"[uniep] guard_layer = {cfg.guard_layer} is out of range: the model has {len(swapped)} MoE layers. "
             f"Use a value in [-{len(swapped)}, {len(swapped) - 1}]."
         ) from None
-    guard = BitwiseGuard(cfg.guard, cfg.guard_interval, _grad_accum_steps(parallel_dims, job_config))
+    guard = BitwiseGuard(cfg.guard, cfg.guard_interval, steps)
     moe.experts.guard = guard
-    model.register_forward_pre_hook(guard.count_model_forward)
+    # Each step's first forward logs the check-mode verdicts that have landed.
+    model.register_forward_pre_hook(lambda module, args: guard.poll())
     logger.info("UniEP guard (%s) on %s every %d steps", cfg.guard, name, cfg.guard_interval)
     return guard
 
@@ -307,7 +322,8 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
                 configure_tuning(swapped[0][1].experts.ep_group, cfg.tuning, cfg.tuning_cache,
                                  moe_modules=[moe for _, moe in swapped], num_tokens=tokens,
                                  dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
-        model.uniep_guard = _install_guard(model, swapped, cfg, parallel_dims, job_config)
+        model.uniep_steps = _install_step_counter(model, swapped, parallel_dims, job_config)
+        model.uniep_guard = _install_guard(model, swapped, cfg, model.uniep_steps)
         logger.info(
             "UniEP: %d MoE layers on schedule %r (EP degree %d)", len(swapped), cfg.schedule, parallel_dims.ep
         )

@@ -61,6 +61,11 @@ class LossRecordingTrainer(Trainer):
         self.metrics_processor.log = log_and_record
 
     def train_step(self, data_iterator) -> None:
+        # The trainer's step (restored from a checkpoint on resume) names the
+        # step in guard messages and the test hooks.
+        for model in self.model_parts:
+            if getattr(model, "uniep_steps", None) is not None:
+                model.uniep_steps.start_step(self.step)
         super().train_step(data_iterator)
         # UniEP's fused kernels record a failure on the device without a host sync:
         # every rank checks once a step, after the step's last kernel (on a logging
@@ -73,6 +78,9 @@ class LossRecordingTrainer(Trainer):
     def train(self) -> None:
         super().train()
         self._finished = True
+        for model in self.model_parts:
+            if getattr(model, "uniep_guard", None) is not None:
+                model.uniep_guard.flush()  # the last check-mode verdicts
 
     def close(self) -> None:
         super().close()
