@@ -214,6 +214,22 @@ def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_
     return requested
 
 
+def wgrad_stages(ws, stages: int, stage_bytes: int) -> int:
+    """The Triton weight-gradient kernel's pipelining depth on this device: at
+    most ``stages``, and shallow enough that its operand buffers fit one
+    program's shared memory (Triton keeps ``stages - 1`` K steps of the A and
+    B tiles in flight; with fp32 data, which ``torch._grouped_mm`` does not
+    take, the 16-bit defaults need twice the bytes). A schedule choice: the
+    depth never changes a bit."""
+    if ws.device.type != "cuda" or interpreting():
+        return stages
+    props = torch.cuda.get_device_properties(ws.device)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or 232448
+    while stages > 2 and (stages - 1) * stage_bytes > limit - 4096:
+        stages -= 1
+    return stages
+
+
 def dh_max_registers(p: LayerParams, saved_h13: bool) -> int | None:
     """Register cap of dispatch_dh: with saved h1 | h3 its dH tile is a plain
     GEMM tile that fits ``dh_programs_per_sm`` programs of ``dh_num_warps``
@@ -293,6 +309,7 @@ def _weight_grads(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, scor
 
     def gemm(a1, a2, b, out1, out2, m, n, tiles, two):
         bm, bn, bk, warps, stages = tiles
+        stages = wgrad_stages(ws, stages, ((2 if two else 1) * bm * bk + bk * bn) * s.elem_size)
         grid = (el * triton.cdiv(m, bm) * triton.cdiv(n, bn), num_local)
         wgrad_kernel[grid](
             a1, a2, a1.stride(1), a1.stride(0), b, b.stride(1), b.stride(0), ws.route_tables, out1, out2,
