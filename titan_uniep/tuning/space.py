@@ -202,6 +202,10 @@ FIELDS: dict[str, Field] = {
     "timeout_s": Field("fixed", (30.0,), "all"),
     "interpreter_max_spins": Field("fixed", (10_000,), "all"),
     "debug_silent_rank": Field("fixed", (-1,), "all"),
+    "debug_wait_slack": Field("fixed", (0,), "all"),
+    "debug_race": Field("fixed", (False,), "all"),
+    "debug_race_keep": Field("fixed", (0.9,), "all"),
+    "debug_race_seed": Field("fixed", (0,), "all"),
 }
 
 LAYER_CHOICES: dict[str, Field] = {
