@@ -249,8 +249,10 @@ def test_lazy_check_reports_the_failure_at_the_next_call_and_at_the_step_end(mon
         op.raise_pending_errors()
     # The trainer's per-step check (TorchTitan's step itself stubbed out).
     monkeypatch.setattr(train.Trainer, "train_step", lambda self, data_iterator: None)
+    trainer = train.LossRecordingTrainer.__new__(train.LossRecordingTrainer)
+    trainer.model_parts = []  # no model: only the per-step check runs
     with pytest.raises(RuntimeError, match=root):
-        train.LossRecordingTrainer.__new__(train.LossRecordingTrainer).train_step(iter(()))
+        trainer.train_step(iter(()))
 
 
 def test_backward_silent_rank_lazy_check_names_the_root_cause():

@@ -179,13 +179,16 @@ def test_strict_guard_stops_every_rank_at_the_planted_step(one_expert_then_stric
     run = one_expert_then_strict_guard
     message = (f"UniEP guard (strict): layer layers.5.moe.experts at step {PLANTED_STEP} is not bitwise equal to "
                "the non-overlapped schedule on at least one EP rank")
-    # Every rank raises the guard's error and exits 1 by itself (not stopped by
-    # torchrun), rank 0 too, whose own bits matched: the flag was all-reduced,
-    # so neither rank was left waiting in a collective.
+    # Every rank reaches the guard's error, rank 0 too, whose own bits matched:
+    # the flag was all-reduced, so neither rank was left waiting in a
+    # collective. Each logs it before raising; a rank exits 1 by itself, or is
+    # stopped by torchrun (SIGTERM) once its peer has exited, after its log line.
     failures = run.failures()
     assert sorted(failures) == [0, 1], run.output[-4000:]
     for rank, failure in failures.items():
-        assert re.search(r"exitcode\s*: 1 ", failure) and message in failure, f"rank {rank}: {failure}"
+        assert any(message in line for line in run.rank_lines(rank)), f"rank {rank} never reached the guard's error"
+        assert re.search(r"exitcode\s*: (1|-15) ", failure), f"rank {rank}: {failure}"
+    assert any(re.search(r"exitcode\s*: 1 ", f) and message in f for f in failures.values()), failures
     assert any(f"step {PLANTED_STEP}: output differs bitwise" in line for line in run.rank_lines(1))
     assert not any(f"step {PLANTED_STEP}: output differs bitwise" in line for line in run.rank_lines(0))
 

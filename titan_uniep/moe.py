@@ -126,11 +126,15 @@ class BitwiseGuard:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         self._log(layer, step, out.numel(), verdict.tolist())  # the host sync of strict mode
         if int(flag.item()):
-            raise RuntimeError(
+            message = (
                 f"UniEP guard (strict): layer {layer} at step {step} is not bitwise equal to the "
                 "non-overlapped schedule on at least one EP rank. Set [uniep] guard = \"check\" to log "
                 "and continue, or schedule = \"sequential\" to train without overlap."
             )
+            # Logged first on every rank: torchrun stops the other workers as soon
+            # as one exits, possibly before their own raise reaches its handler.
+            logger.error(message)
+            raise RuntimeError(message)
 
     def poll(self) -> None:
         """Log every check-mode verdict whose host copy has landed; never waits for the device."""
