@@ -173,7 +173,8 @@ def check(hw: HardwareConstants, records: list[dict], tolerance: float = 0.15) -
             err = pred[key] / measured - 1 if measured else float("inf")
             bad = key in ("forward", "backward") and abs(err) > tolerance
             ok &= not bad
-            lines.append(f"| {name} | {key} | {measured:.4f} | {pred[key]:.4f} | {err:+.1%}{' **over**' if bad else ''} |")
+            flag = " **over**" if bad else ""
+            lines.append(f"| {name} | {key} | {measured:.4f} | {pred[key]:.4f} | {err:+.1%}{flag} |")
             name = ""
     return "\n".join(lines), ok
 

@@ -432,7 +432,8 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         f"{back_out.max() * d * b / 1e6:.1f} MB back over NVLink" if w > 1 else "its stores")
     y_bytes = rows_rank * d * b
     send_programs = np.where(staged, grid, 1.0)
-    staged_t = np.maximum(combine_link[None, :], 2 * y_bytes[None, :] / np.minimum(send_programs * per_prog, hbm)[:, None])
+    send_rate = np.minimum(send_programs * per_prog, hbm)[:, None]
+    staged_t = np.maximum(combine_link[None, :], 2 * y_bytes[None, :] / send_rate)
     partial_rows = (stats.send_rows * remote).sum(axis=0)  # one fp32 partial per (token, expert rank) back
     presum_link = partial_rows * d * 4 / link if w > 1 else np.zeros(w)
     presum_t = np.maximum(presum_link[None, :], (y_bytes + rows_rank * d * 4 / k)[None, :] / (grid[:, None] * per_prog))
