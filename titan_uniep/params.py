@@ -90,6 +90,8 @@ class LayerParams:
     """Warps per dispatch_fc1 program."""
     fc1_num_stages: int = 3
     """Software-pipelining depth of fc1's K-loop (>= 0)."""
+    fc1_one_dot: bool = False
+    """fc1 computes h1 and h3 in one ``block_m x 2 fc1_block_n`` product per K step over interleaved w1 | w3 columns, not two ``block_m x fc1_block_n`` ones."""
 
     # ---- fc2 tiles (fc2_combine) ----
     fc2_block_n: int = 256

@@ -58,11 +58,14 @@ _CTL_TILE_TASKS = tl.constexpr(CTL_TILE_TASKS)
 def fc1_tile(
     tokens, slot_copy, slot_score, w1, w3, h, h13, m0, m1, n0,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr, SAVE_H13: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr, SAVE_H13: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     """h[m0:m1, n0:n0+BN] of one expert; ``w1``/``w3`` point at its (H, D)
     weights. ``SAVE_H13``: also h1 and h3 (rounded) into ``h13`` ``(S, 2H)``
-    rows, for the backward."""
+    rows, for the backward. ``ONE_DOT`` (``LayerParams.fc1_one_dot``): one
+    ``BM x 2BN`` product per K step over interleaved w1 | w3 columns instead
+    of two ``BM x BN`` ones; every output element sums the same products in
+    the same K order either way."""
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
     offs_n = n0 + tl.arange(0, BN)
@@ -71,10 +74,43 @@ def fc1_tile(
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     token_row = (copy_id // TOP_K).to(tl.int64)
     a_ptrs = tokens + token_row[:, None] * DIM + offs_k[None, :]
-    b1_ptrs = w1 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
-    b3_ptrs = w3 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    score = mask_m  # unused unless SCORE_BEFORE
     if SCORE_BEFORE:
         score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+    if ONE_DOT:
+        gate, up = _fc1_one_dot(a_ptrs, mask_m, w1, w3, n0, score, DIM, HIDDEN, SCORE_BEFORE, BM, BN, BK, EVEN_K,
+                                EVEN_N, PRECISION)
+    else:
+        gate, up = _fc1_two_dots(a_ptrs, mask_m, w1, w3, n0, score, DIM, HIDDEN, SCORE_BEFORE, BM, BN, BK, EVEN_K,
+                                 EVEN_N, PRECISION)
+    # TorchTitan: h = silu(grouped_mm(x, w1)) * grouped_mm(x, w3), each result
+    # rounded to the activation dtype; torch's silu is x / (1 + exp(-x)) in fp32.
+    out_ty = h.dtype.element_ty
+    gate = gate.to(out_ty)
+    up = up.to(out_ty)
+    gate_f = gate.to(tl.float32)
+    act = (gate_f / (1.0 + tl.exp(-gate_f))).to(out_ty).to(tl.float32)
+    tl.store(
+        h + offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :],
+        (act * up.to(tl.float32)).to(out_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+    if SAVE_H13:
+        saved = h13 + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
+        tl.store(saved, gate, mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(saved + HIDDEN, up, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _fc1_two_dots(a_ptrs, mask_m, w1, w3, n0, score, DIM: tl.constexpr, HIDDEN: tl.constexpr,
+                  SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``x @ w1^T`` and ``x @ w3^T`` of the tile, one accumulator each."""
+    offs_n = n0 + tl.arange(0, BN)
+    mask_n = offs_n < HIDDEN
+    offs_k = tl.arange(0, BK)
+    b1_ptrs = w1 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    b3_ptrs = w3 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(DIM, BK)):
@@ -98,21 +134,42 @@ def fc1_tile(
         a_ptrs += BK
         b1_ptrs += BK
         b3_ptrs += BK
-    # TorchTitan: h = silu(grouped_mm(x, w1)) * grouped_mm(x, w3), each result
-    # rounded to the activation dtype; torch's silu is x / (1 + exp(-x)) in fp32.
-    out_ty = h.dtype.element_ty
-    gate = acc1.to(out_ty).to(tl.float32)
-    up = acc3.to(out_ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    tl.store(
-        h + offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :],
-        (act * up).to(out_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
-    if SAVE_H13:
-        saved = h13 + offs_m[:, None].to(tl.int64) * (2 * HIDDEN) + offs_n[None, :]
-        tl.store(saved, acc1.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
-        tl.store(saved + HIDDEN, acc3.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
+    return acc1, acc3
+
+
+@triton.jit
+def _fc1_one_dot(a_ptrs, mask_m, w1, w3, n0, score, DIM: tl.constexpr, HIDDEN: tl.constexpr,
+                 SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
+    """``_fc1_two_dots``' products from one ``BM x 2BN`` accumulator: column
+    ``2j`` is h1's column ``n0 + j`` (a w1 row), ``2j + 1`` h3's (a w3 row).
+    One wide MMA chain reads each A tile from shared memory once per K step
+    instead of twice; interleaving keeps each (h1, h3) pair in one thread, so
+    splitting the accumulator moves no data."""
+    offs_j = tl.arange(0, 2 * BN)
+    col = n0 + offs_j // 2
+    mask_c = col < HIDDEN
+    offs_k = tl.arange(0, BK)
+    rows = col[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    b_ptrs = tl.where((offs_j % 2 == 1)[None, :], w3 + rows, w1 + rows)
+    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(DIM, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=mask_c[None, :], other=0.0)
+        else:
+            mask_k = offs_k < DIM - k * BK
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_c[None, :], other=0.0)
+        if SCORE_BEFORE:
+            a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK
+        b_ptrs += BK
+    return tl.split(tl.reshape(acc, (BM, BN, 2)))
 
 
 
@@ -147,6 +204,7 @@ def dispatch_fc1_kernel(
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     PRESUM: tl.constexpr = False, SAVE_H13: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,  # LayerParams.fc1_one_dot
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
@@ -176,6 +234,6 @@ def dispatch_fc1_kernel(
                     h_ptr + local.to(tl.int64) * h_rank_stride,
                     h13_ptr + local.to(tl.int64) * h13_rank_stride,
                     m0, m1, col_block * BN, DIM, HIDDEN, TOP_K,
-                    SCORE_BEFORE, BM, BN, BK, EVEN_K, EVEN_N, PRECISION, SAVE_H13,
+                    SCORE_BEFORE, BM, BN, BK, EVEN_K, EVEN_N, PRECISION, SAVE_H13, ONE_DOT,
                 )
             task = claim_task(control_ptr, _CTL_TILE_TASKS)

@@ -377,7 +377,7 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
 def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:
     """``tile_key`` of the tile configuration ``p`` gives ``kernel`` (as the model reads it)."""
     if kernel == "fc1":
-        return tile_key("fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k, p.fc1_num_warps, p.fc1_num_stages, 1)
+        return tile_key("fc1_one" if p.fc1_one_dot else "fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k, p.fc1_num_warps, p.fc1_num_stages, 1)
     if kernel == "fc2":
         return tile_key("fc2_tma" if p.fc2_tma and hidden % 8 == 0 else "fc2", p.block_m, p.fc2_block_n,
                         p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages, p.fc2_programs_per_sm)

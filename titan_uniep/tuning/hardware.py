@@ -25,7 +25,8 @@ __all__ = ["HardwareConstants", "default_constants", "load_constants", "save_con
 def tile_key(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int = 1) -> str:
     """The key of one GEMM tile configuration in ``HardwareConstants.gemm_efficiency``:
     ``kernel`` one of ``fc1``, ``fc2``, ``dh``, ``dh_recompute``, ``da``, ``wgrad_w13``,
-    ``wgrad_w2``, with ``_tma`` appended for descriptor loads (``fc2_tma``, ``da_tma``);
+    ``wgrad_w2``, with ``_one`` appended for fc1's one-dot tile (``fc1_one_dot``) and
+    ``_tma`` for descriptor loads (``fc2_tma``, ``da_tma``);
     ``bn`` counts every accumulator's columns (fc1: 2 x ``fc1_block_n``)."""
     return f"{kernel}:{bm}x{bn}x{bk}:w{warps}:s{stages}:p{per_sm}"
 

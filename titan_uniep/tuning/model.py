@@ -379,14 +379,16 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         return np.maximum(link_t[None, :], moved[None, :] / rate) + tasks / programs[:, None] * 2 * hw.release_us * us
 
     def gemm(kernel, n_total, k_total, mats, bn, bk, warps, stages, per_sm, a_row_bytes, out_elem_bytes,
-             extra_tile_s=0.0, extra_bytes=0.0, eff_scale=1.0, tma=False) -> np.ndarray:
+             extra_tile_s=0.0, extra_bytes=0.0, eff_scale=1.0, tma=False, variant=None) -> np.ndarray:
         """``(N, W)``: the GEMM tiles of one launch, ``mats`` weight matrices of
         ``k_total x n_total`` per expert (one accumulator each). Compute: tiles in
         waves over ``grid * per_sm`` programs, ``ceil(k_total / bk)`` MMA steps each
         at the tile's efficiency plus a fixed cost (and ``extra_tile_s``) that a
         second program per SM hides; memory: the experts' weights once per
-        row-tile group, the rows, the outputs (and ``extra_bytes``)."""
-        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm, tma) * eff_scale
+        row-tile group, the rows, the outputs (and ``extra_bytes``). ``variant``:
+        (suffix, mask) of another code path of the kernel (``_efficiency``)."""
+        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm, tma,
+                          variant) * eff_scale
         col_blocks = np.ceil(n_total / bn)[:, None]
         flops = 2 * bm * bn[:, None] * k_total * mats
         t_mma = flops / (peak_sm * eff[:, None])
@@ -415,7 +417,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bounds["forward.dispatch"] = (f"NVLink: {rows_out.max() * d * b / 1e6:.1f} MB out of the busiest rank"
                                   if w > 1 else "HBM: own rows only")
     fc1 = gemm("fc1", h, d, 2, c["fc1_block_n"], c["fc1_block_k"], c["fc1_num_warps"], c["fc1_num_stages"],
-               np.ones(n), d * b, b * 1.5)  # h plus the saved h1 | h3 (three outputs over two accumulators)
+               np.ones(n), d * b, b * 1.5, variant=("_one", c["fc1_one_dot"]))  # h plus the saved h1 | h3 (three outputs over two accumulators)
     fwd["fc1"] = slowest(fc1) + launch
     bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
     staged, presum = c["combine"] == "staged", c["combine"] == "presum"
@@ -538,23 +540,29 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
                   {k: full(v) for k, v in exposed.items()}, bounds, full(f_total), full(b_total))
 
 
-def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, per_sm, tma=False) -> np.ndarray:
+def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, per_sm, tma=False,
+                variant=None) -> np.ndarray:
     """``hw.tile_efficiency`` over columns of points: calibrated keys looked up
     per distinct configuration (kernel ``"<kernel>_tma"`` where ``tma``: its
-    operands through tensor descriptors), the formula elsewhere (times
-    ``hw.tma_speedup`` with descriptors)."""
+    operands through tensor descriptors; ``"<kernel><suffix>"`` where
+    ``variant = (suffix, mask)`` marks another code path, e.g. fc1's
+    ``"_one"`` for ``fc1_one_dot``), the formula elsewhere (times
+    ``hw.tma_speedup`` with descriptors; a variant's uncalibrated figure is
+    its kernel's)."""
     bm, bn, bk, warps, stages = (np.broadcast_to(np.asarray(x), np.shape(bm)).astype(int)
                                  for x in (bm, bn, bk, warps, stages))
     per_sm = np.broadcast_to(np.asarray(per_sm), bm.shape).astype(int)
     tma = np.broadcast_to(np.asarray(tma, dtype=bool), bm.shape)
+    suffix, other = variant if variant is not None else ("", False)
+    other = np.broadcast_to(np.asarray(other, dtype=bool), bm.shape)
     eff = _tile_efficiency(bm, bn, bk, warps, stages) * np.where(tma, hw.tma_speedup, 1.0)
     if hw.gemm_efficiency:
-        configs = np.stack([bm, bn, bk, warps, stages, per_sm, tma.astype(int)], axis=1)
+        configs = np.stack([bm, bn, bk, warps, stages, per_sm, tma.astype(int), other.astype(int)], axis=1)
         unique, inverse = np.unique(configs, axis=0, return_inverse=True)
         inverse = inverse.reshape(-1)
         for j, cfg in enumerate(unique):
-            *tile, with_tma = (int(x) for x in cfg)
-            key = tile_key(kernel + ("_tma" if with_tma else ""), *tile)
+            *tile, with_tma, with_variant = (int(x) for x in cfg)
+            key = tile_key(kernel + (suffix if with_variant else "") + ("_tma" if with_tma else ""), *tile)
             if key in hw.gemm_efficiency:
                 eff[inverse == j] = hw.gemm_efficiency[key]
     return np.maximum(eff, 1e-3)

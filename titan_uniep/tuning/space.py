@@ -155,6 +155,7 @@ FIELDS: dict[str, Field] = {
     "fc1_block_k": Field("numerics", _K_STEPS, "fc1"),
     "fc1_num_warps": Field("schedule", _WARPS, "fc1"),
     "fc1_num_stages": Field("schedule", _STAGES, "fc1"),
+    "fc1_one_dot": Field("schedule", _BOOL, "fc1"),
     # ---- fc2 ----
     "fc2_block_n": Field("schedule", _TILES, "fc2"),
     "fc2_block_k": Field("numerics", _K_STEPS, "fc2"),
@@ -466,8 +467,9 @@ GRID_SHARED: dict[str, tuple] = {
     "combine": ("direct", "staged"),
 }
 GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
-    ("fc1_block_n", "fc1_num_warps", "fc1_num_stages"): (
-        (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 8, 4), (256, 8, 2)),
+    ("fc1_block_n", "fc1_num_warps", "fc1_num_stages", "fc1_one_dot"): (
+        (128, 8, 3, False), (128, 8, 4, False), (128, 8, 3, True), (128, 8, 4, True), (64, 4, 3, False),
+        (64, 4, 3, True), (64, 8, 4, False), (256, 8, 2, False)),
     ("fc2_block_n", "fc2_num_warps", "fc2_num_stages", "fc2_programs_per_sm", "fc2_tma", "fc2_defer_release"): (
         (256, 8, 3, 1, False, False), (256, 8, 3, 1, True, False), (256, 8, 3, 1, False, True),
         (128, 4, 3, 2, False, False), (128, 4, 3, 2, True, False), (128, 8, 3, 1, False, False)),
