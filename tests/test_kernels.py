@@ -442,12 +442,12 @@ def test_default_params_per_shape_choice():
     (short, H <= 1024) every program dispatching first, fc2_combine as two
     4-warp programs per SM with 128-column tiles and da_combine as two 4-warp
     programs per SM with a 32-deep K step; for medium ones (H <= 2048) only the
-    da_combine choice. Other EP sizes take the closest smaller tuned size's
-    entry (the smallest's below it)."""
+    da_combine choice; the one-product fc1 tile in every class. Other EP sizes
+    take the closest smaller tuned size's entry (the smallest's below it)."""
     from titan_uniep.params import DEFAULTS, LayerParams, default_params, shape_class
 
     base = default_params(2, hidden=14336)
-    assert base == LayerParams() == DEFAULTS[2, "long"]
+    assert base == LayerParams(fc1_one_dot=True) == DEFAULTS[2, "long"]
     assert base.combine == "direct" and base.dispatch_programs == 16 and base.fc2_programs_per_sm == 1
     assert (base.fc2_block_n, base.fc2_num_warps, base.da_block_k, base.da_num_warps, base.da_programs_per_sm) == (
         256, 8, 64, 8, 1)

@@ -91,7 +91,7 @@ class LayerParams:
     fc1_num_stages: int = 3
     """Software-pipelining depth of fc1's K-loop (>= 0)."""
     fc1_one_dot: bool = False
-    """fc1 computes h1 and h3 in one ``block_m x 2 fc1_block_n`` product per K step over interleaved w1 | w3 columns, not two ``block_m x fc1_block_n`` ones."""
+    """fc1 computes h1 and h3 in one ``block_m x 2 fc1_block_n`` product per K step over interleaved w1 | w3 columns, not two ``block_m x fc1_block_n`` ones (scores after the experts; with scores before, the two-product tile always: there the two give other bits on an H200)."""
 
     # ---- fc2 tiles (fc2_combine) ----
     fc2_block_n: int = 256
@@ -118,6 +118,8 @@ class LayerParams:
     """Staged combine: programs that only send before joining the reduce tasks (>= 1)."""
     reduce_block_tokens: int = 16
     """Tokens per reduce task (power of two; <= block_m with presum)."""
+    reduce_unroll: bool = False
+    """A reduce task's K row loads per column block are unrolled (in flight together; the same summation order)."""
     reduce_block_dim: int = 512
     """Columns a reduce task sums per step (power of two; da_combine takes at most 256 with scores before the experts)."""
 
@@ -254,13 +256,15 @@ _SHORT_DA = dict(da_block_k=32, da_num_warps=4, da_programs_per_sm=2)
 _SHORT_FC2 = dict(fc2_block_n=128, fc2_num_warps=4, fc2_programs_per_sm=2)
 # Every program dispatches first (>= any grid).
 _DISPATCH_FIRST = dict(dispatch_programs=1024)
+# The one-product fc1 tile (measured at EP = 1 on five shapes: docs/design.md).
+_FC1 = dict(fc1_one_dot=True)
 
 # Tuned on 2 x H200 (NV18); other EP sizes take the closest smaller tuned
 # size's entry (the smallest's below it). docs/design.md says why.
 DEFAULTS: dict[tuple[int, str], LayerParams] = {
-    (2, "short"): LayerParams(**_DISPATCH_FIRST, **_SHORT_FC2, **_SHORT_DA),
-    (2, "medium"): LayerParams(**_SHORT_DA),
-    (2, "long"): LayerParams(),
+    (2, "short"): LayerParams(**_DISPATCH_FIRST, **_SHORT_FC2, **_SHORT_DA, **_FC1),
+    (2, "medium"): LayerParams(**_SHORT_DA, **_FC1),
+    (2, "long"): LayerParams(**_FC1),
 }
 
 
