@@ -22,6 +22,12 @@ replaces what it measures:
   ``tile_key`` per configuration). The ``grouped_mm`` weight gradients give
   ``grouped_mm_efficiency``; the dispatch launch with 8 programs gives
   ``copy_gbps_per_program``;
+- ``grouped_mm_efficiency_by_rows``: the weight gradients' three
+  torch._grouped_mm calls (the runtime's operands and layout) at
+  ``GROUPED_MM_ROWS`` rows per expert for the (D, H) of every
+  ``shapes.TUNING_SHAPES`` shape, CUDA events; per rows the efficiency with
+  which ``model.grouped_mm_wgrad_time`` reproduces each time, the geometric
+  mean over the (D, H) pairs;
 - with a process group of more than one GPU (torchrun): ``nvlink_gbps``
   (every rank copies 256 MiB into its next peer's symmetric buffer at once)
   and ``exchange_us`` (the counts exchange kernel of a tiny real-EP
@@ -60,10 +66,15 @@ import numpy as np
 
 from ..params import LayerParams
 from .hardware import HardwareConstants, default_constants, load_constants, save_constants, tile_key
-from .model import RoutingStats, predict
+from .model import RoutingStats, grouped_mm_wgrad_time, predict
 from .space import GRID_STAGES, LayerShape
 
-__all__ = ["check", "fit", "measurement_record", "measure", "record_prediction"]
+__all__ = ["GROUPED_MM_ROWS", "check", "fit", "measurement_record", "measure", "record_prediction"]
+
+# Rows per expert at which ``measure`` times the grouped_mm weight gradients:
+# from deepseek-like's 256 (8192 tokens x top-8 over 256 experts) down to the
+# shorter experts of EP > 1 and skewed routing, up to mixtral-like's 4096.
+GROUPED_MM_ROWS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 # ---- records --------------------------------------------------------------------
@@ -362,6 +373,9 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
         measured.append("tiles")
         torch.cuda.empty_cache()
 
+    hw.grouped_mm_efficiency_by_rows = _grouped_mm_rows_table(hw, _grouped_mm_samples(dev, log), log)
+    measured.append("grouped_mm by rows")
+
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         hw.nvlink_gbps = _nvlink_gbps(dev)
         hw.exchange_us = _exchange_us(dev)
@@ -372,6 +386,88 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
         ep = "NVLink and the counts exchange not measured (one GPU: run under torchrun for them)"
     hw.source = f"calibrated on {props.name} ({', '.join(dict.fromkeys(measured))}; {ep})"
     return hw
+
+
+def _grouped_mm_experts(dim: int, hidden: int, num_experts: int, rows: int) -> int:
+    """Experts in one timed weight-gradient call: the shape's, at most 2^28
+    weight elements (1.5 GiB of bf16 gradients) and 2^18 rows, which keeps
+    every call at a few ms and still thousands of output tiles."""
+    return max(1, min(num_experts, (1 << 28) // (dim * hidden), (1 << 18) // rows))
+
+
+def _wgrad_operands(dim: int, hidden: int, capacity: int, dev, gen) -> tuple:
+    """Random bf16 weight-gradient operands ``(xs, dys, h, dh1, dh3)`` laid out
+    as ``BackwardWorkspace`` holds them: x and dOut rows ``(capacity, D)``, the
+    two halves of one ``(2, capacity, D)`` slot-row buffer; h, dh1, dh3
+    ``(capacity, H)``."""
+    import torch
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen, device=dev, dtype=torch.bfloat16)
+
+    slot_rows = rand(2, capacity, dim)
+    return slot_rows[0], slot_rows[1], rand(capacity, hidden), rand(capacity, hidden), rand(capacity, hidden)
+
+
+def _grouped_mm_wgrad(xs, dys, h, dh1, dh3, ends) -> tuple:
+    """dW1 ``(G, H, D)``, dW2 ``(G, D, H)``, dW3 ``(G, H, D)`` as
+    ``runtime.backward._weight_grads`` computes them with torch._grouped_mm:
+    the groups' rows back to back, ``ends`` ``(G,)`` int32 their end offsets
+    (rows past the last are not read)."""
+    import torch
+
+    return (torch._grouped_mm(dh1.t(), xs, offs=ends), torch._grouped_mm(dys.t(), h, offs=ends),
+            torch._grouped_mm(dh3.t(), xs, offs=ends))
+
+
+def _grouped_mm_samples(dev, log=print) -> list[dict]:
+    """The weight gradients' device time (CUDA events, median of 5 after a
+    warm-up) at every ``GROUPED_MM_ROWS`` rows per expert for the (D, H) of
+    every ``shapes.TUNING_SHAPES`` shape, ``_grouped_mm_experts`` experts:
+    records of ``dim``, ``hidden``, ``experts``, ``rows``, ``ms``."""
+    import torch
+
+    from ..shapes import SHAPES, TUNING_SHAPES
+
+    gen = torch.Generator(device=dev).manual_seed(11)
+    samples = []
+    for dim, hidden, num_experts in dict.fromkeys(SHAPES[name][1:4] for name in TUNING_SHAPES):
+        experts = {rows: _grouped_mm_experts(dim, hidden, num_experts, rows) for rows in GROUPED_MM_ROWS}
+        operands = _wgrad_operands(dim, hidden, max(e * rows for rows, e in experts.items()), dev, gen)
+        for rows, count in experts.items():
+            ends = torch.arange(1, count + 1, dtype=torch.int32, device=dev) * rows
+            ms = _event_ms(lambda ends=ends: _grouped_mm_wgrad(*operands, ends), reps=5)
+            tflops = 6 * count * rows * dim * hidden / (ms * 1e-3) / 1e12
+            log(f"grouped_mm weight gradients D={dim} H={hidden}, {count} experts x {rows} rows: {ms:.3f} ms "
+                f"({tflops:.0f} TFLOP/s)")
+            samples.append(dict(dim=dim, hidden=hidden, experts=count, rows=rows, ms=ms))
+        operands = None
+        torch.cuda.empty_cache()
+    return samples
+
+
+def _grouped_mm_rows_table(hw: HardwareConstants, samples: list[dict], log=print) -> dict[str, float]:
+    """``grouped_mm_efficiency_by_rows`` from ``_grouped_mm_samples``' records:
+    per record the efficiency with which ``model.grouped_mm_wgrad_time`` plus
+    the three launches reproduces its time, per rows the geometric mean over
+    the (D, H) pairs, logged with their range (a wide one would ask for a
+    D x H key as well)."""
+    by_rows: dict[int, list[float]] = {}
+    for sample in samples:
+        expert_rows = np.full((1, sample["experts"]), float(sample["rows"]))
+
+        def wgrad_ms(eff, sample=sample, expert_rows=expert_rows):
+            probe = dataclasses.replace(hw, grouped_mm_efficiency_by_rows={str(sample["rows"]): eff})
+            seconds = grouped_mm_wgrad_time(probe, expert_rows, sample["dim"], sample["hidden"], 2)[0]
+            return 1e3 * seconds + 3 * hw.launch_us * 1e-3
+
+        by_rows.setdefault(sample["rows"], []).append(_solve_efficiency(sample["ms"], wgrad_ms))
+    table = {}
+    for rows, effs in sorted(by_rows.items()):
+        table[str(rows)] = round(float(np.exp(np.mean(np.log(effs)))), 4)
+        log(f"grouped_mm at {rows} rows per expert: efficiency {table[str(rows)]:.3f} "
+            f"(over {len(effs)} D x H: {min(effs):.3f}-{max(effs):.3f})")
+    return table
 
 
 def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:

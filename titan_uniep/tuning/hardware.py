@@ -39,8 +39,12 @@ class HardwareConstants:
     per program), missing keys fall back to ``tile_efficiency``'s formula;
     ``stage_scale`` multiplies a stage's predicted time (``"forward.fc1"``,
     ...; else the direction's ``"forward"`` / ``"backward"``; else 1), as
-    fitted by ``calibrate fit``. ``source`` says
-    where the figures come from ("uncalibrated: ..." until calibration)."""
+    fitted by ``calibrate fit``; ``grouped_mm_efficiency_by_rows`` maps rows
+    per expert (decimal strings, the calibration's powers of two: ``"256"``)
+    to the fraction of ``peak_tflops`` torch._grouped_mm reaches on the
+    weight gradients of experts that size (``grouped_mm_efficiency_at``),
+    empty: the one ``grouped_mm_efficiency`` for every expert. ``source``
+    says where the figures come from ("uncalibrated: ..." until calibration)."""
 
     name: str
     source: str
@@ -59,7 +63,7 @@ class HardwareConstants:
     release_us: float  # a system-scope release / acquire round trip
     tile_fixed_us: float  # per GEMM tile: pipeline fill, address set-up, the tile wait
     dispatch_overlap: float  # fraction of the dispatch a hybrid fused launch hides behind GEMM tiles
-    grouped_mm_efficiency: float  # torch._grouped_mm on the weight gradients, fraction of peak
+    grouped_mm_efficiency: float  # torch._grouped_mm on the weight gradients, fraction of peak (no rows table)
     roofline_p: float  # a launch's compute and memory times t_c, t_m overlap as (t_c^p + t_m^p)^(1/p)
     tma_speedup: float  # descriptor operand loads against pointer loads, for tiles not calibrated with them
     one_pass_dh_efficiency: float  # the recomputing dH tile in one K-loop (three accumulators) against two
@@ -67,6 +71,7 @@ class HardwareConstants:
     reduce_tail: float  # fraction of a reduce launch left after the GEMM tiles (fused)
     gemm_efficiency: dict[str, float] = field(default_factory=dict)
     stage_scale: dict[str, float] = field(default_factory=dict)
+    grouped_mm_efficiency_by_rows: dict[str, float] = field(default_factory=dict)
 
     def tile_efficiency(self, kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int) -> float:
         """Fraction of the per-SM peak a K-loop step reaches: the calibrated
@@ -77,6 +82,36 @@ class HardwareConstants:
         if key in self.gemm_efficiency:
             return self.gemm_efficiency[key]
         return _tile_efficiency(bm, bn, bk, warps, stages)
+
+    def grouped_mm_efficiency_at(self, rows) -> np.ndarray:
+        """torch._grouped_mm's fraction of peak on the weight gradients of an
+        expert with ``rows`` rows (array-like, elementwise). Those rows are
+        the GEMMs' reduction length (every dW tile loops over them), so a
+        short expert pays its tiles' set-up and stores over few MMA steps.
+        The table interpolated linearly in log2(rows) and clamped to its
+        first and last entries (fewer than one row counts as one);
+        ``grouped_mm_efficiency`` everywhere when the table is empty."""
+        rows = np.asarray(rows, dtype=float)
+        if not self.grouped_mm_efficiency_by_rows:
+            return np.full(rows.shape, self.grouped_mm_efficiency)
+        table = _rows_table(self.grouped_mm_efficiency_by_rows)
+        return np.interp(np.log2(np.maximum(rows, 1.0)), np.log2(table[:, 0]), table[:, 1])
+
+
+def _rows_table(entries: dict[str, float]) -> np.ndarray:
+    """``grouped_mm_efficiency_by_rows`` as ``(n, 2)`` rows / efficiency,
+    ascending in rows (the keys' numbers, not their strings: "64" < "1024")."""
+    table = []
+    for key, eff in entries.items():
+        rows = int(key) if str(key).isdigit() else 0
+        if rows < 1 or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise ValueError(f"grouped_mm_efficiency_by_rows[{key!r}] = {eff!r}: keys are rows per expert "
+                             f"(positive integers as strings, e.g. \"256\"), values fractions of peak in (0, 1]")
+        table.append((rows, float(eff)))
+    table.sort()
+    if len({rows for rows, _ in table}) < len(table):
+        raise ValueError(f"grouped_mm_efficiency_by_rows: keys {sorted(entries)} name one row count twice")
+    return np.array(table, dtype=float)
 
 
 def _tile_efficiency(bm, bn, bk, warps, stages):
@@ -121,7 +156,9 @@ def save_constants(hw: HardwareConstants, path: str | Path) -> None:
 
 def load_constants(path: str | Path) -> HardwareConstants:
     """Constants stored by ``save_constants`` (the calibration's output);
-    fields it lacks take the uncalibrated defaults of its GPU name."""
+    fields it lacks take the uncalibrated defaults of its GPU name (a file
+    from before ``grouped_mm_efficiency_by_rows``: an empty table, so its
+    one ``grouped_mm_efficiency`` as before)."""
     data = json.loads(Path(path).read_text())
     names = {f.name for f in dataclasses.fields(HardwareConstants)}
     unknown = set(data) - names
@@ -129,6 +166,12 @@ def load_constants(path: str | Path) -> HardwareConstants:
         raise ValueError(f"{path}: unknown hardware constants {sorted(unknown)} (expected {sorted(names)})")
     base = dataclasses.asdict(default_constants(data.get("name", "NVIDIA H200")))
     base.update(data)
-    return HardwareConstants(**base)
+    hw = HardwareConstants(**base)
+    if hw.grouped_mm_efficiency_by_rows:
+        try:
+            _rows_table(hw.grouped_mm_efficiency_by_rows)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+    return hw
 
 

@@ -21,7 +21,8 @@ exchange's barrier, a release that waits for remote stores). Stages:
 - backward: ``exchange``, ``dispatch`` (``[x | dOut]`` rows), ``dh`` (G,
   with h1 | h3 recomputed when not saved), ``swiglu`` (saved h1 | h3 only),
   ``gather`` (slot rows, when the dH tasks do not copy them), ``da``,
-  ``reduce``, ``wgrad``.
+  ``reduce``, ``wgrad`` (torch._grouped_mm: each expert at the efficiency
+  of its rows, ``HardwareConstants.grouped_mm_efficiency_by_rows``).
 
 The fused schedule overlaps stages inside a launch: dispatch with fc1 (or
 dH) as far as the programs that do not dispatch find tiles whose rows have
@@ -364,9 +365,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         return np.broadcast_to(np.asarray(per_rank, dtype=float), (n, w)).max(axis=1)
 
     def roofline(compute, memory):
-        """Compute and memory time of one launch, overlapping imperfectly (a p-norm)."""
-        p = hw.roofline_p
-        return (compute**p + memory**p) ** (1 / p)
+        return _roofline(hw, compute, memory)
 
     def copy_rows(row_bytes: float, programs: np.ndarray, own: bool = True) -> np.ndarray:
         """``(N, W)``: a dispatch's row copies by ``programs`` programs: de-duplicated
@@ -489,14 +488,19 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     wgrad_flops = 3 * 2 * rows_rank.max() * d * h
     wgrad_bytes = 3 * el * d * h * b + rows_rank.max() * (2 * d + 3 * h) * b
     grouped = c["wgrad_backend"] != "triton"
-    t_grouped = roofline(wgrad_flops / (hw.peak_tflops * 1e12 * hw.grouped_mm_efficiency), wgrad_bytes / hbm)
+    expert_rows = stats.expert_rows.reshape(w, el)
+    grouped_eff = _grouped_mm_rank_efficiency(hw, expert_rows)
+    t_grouped = slowest(grouped_mm_wgrad_time(hw, expert_rows, d, h, b, rows_rank))
     w13 = _efficiency(hw, "wgrad_w13", c["wgrad_w13_block_m"], c["wgrad_w13_block_n"] * 2, c["wgrad_w13_block_k"],
                       c["wgrad_w13_num_warps"], c["wgrad_w13_num_stages"], 1)
     w2 = _efficiency(hw, "wgrad_w2", c["wgrad_w2_block_m"], c["wgrad_w2_block_n"], c["wgrad_w2_block_k"],
                      c["wgrad_w2_num_warps"], c["wgrad_w2_num_stages"], 1)
     t_triton = roofline(wgrad_flops / (hw.peak_tflops * 1e12) * (2 / 3 / w13 + 1 / 3 / w2), wgrad_bytes / hbm)
     bwd["wgrad"] = np.where(grouped, t_grouped + 3 * launch, t_triton + 2 * launch)
-    bounds["backward.wgrad"] = "GEMM (torch._grouped_mm where it runs, else the Triton kernel)"
+    busiest = int(np.argmax(rows_rank))
+    bounds["backward.wgrad"] = (f"GEMM (torch._grouped_mm where it runs: {grouped_eff[busiest]:.2f} of peak at "
+                                f"{rows_rank[busiest] / el:.0f} rows per expert on the busiest rank; "
+                                "else the Triton kernel)")
 
     for direction, stages in (("forward", fwd), ("backward", bwd)):
         for stage in stages:
@@ -538,6 +542,48 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     full = lambda v: np.broadcast_to(np.asarray(v, dtype=float), (n,))  # noqa: E731
     return _Batch(schedule, {k: full(v) for k, v in fwd.items()}, {k: full(v) for k, v in bwd.items()},
                   {k: full(v) for k, v in exposed.items()}, bounds, full(f_total), full(b_total))
+
+
+def _roofline(hw: HardwareConstants, compute, memory):
+    """Compute and memory time of one launch, overlapping imperfectly (a p-norm)."""
+    p = hw.roofline_p
+    return (compute**p + memory**p) ** (1 / p)
+
+
+def _grouped_mm_rank_efficiency(hw: HardwareConstants, expert_rows: np.ndarray) -> np.ndarray:
+    """``(W,)``: torch._grouped_mm's fraction of peak over each rank's weight
+    gradients, ``expert_rows`` ``(W, El)`` rows of every local expert. An
+    expert's FLOPs grow with its rows and its efficiency with them too
+    (``hw.grouped_mm_efficiency_at``), so a rank's figure is the
+    rows-weighted harmonic mean over its experts (its time is the sum of
+    theirs); the one ``hw.grouped_mm_efficiency`` without a rows table (and
+    on a rank without rows)."""
+    w = expert_rows.shape[0]
+    if not hw.grouped_mm_efficiency_by_rows:
+        return np.full(w, hw.grouped_mm_efficiency)
+    rows = expert_rows.sum(axis=1)
+    rows_over_efficiency = (expert_rows / hw.grouped_mm_efficiency_at(expert_rows)).sum(axis=1)
+    return np.divide(rows, rows_over_efficiency, out=np.full(w, hw.grouped_mm_efficiency),
+                     where=rows_over_efficiency > 0)
+
+
+def grouped_mm_wgrad_time(hw: HardwareConstants, expert_rows: np.ndarray, dim: int, hidden: int, dtype_bytes: int,
+                          rows_rank: np.ndarray | None = None) -> np.ndarray:
+    """Seconds ``(W,)`` of each rank's three torch._grouped_mm weight-gradient
+    calls (dW1 | dW3 = dh1 | dh3^T xs, dW2 = dOut^T h; launches not included):
+    ``expert_rows`` ``(W, El)`` rows of each local expert, ``rows_rank``
+    ``(W,)`` the rank's slots (default: its experts' rows). A roofline of the
+    FLOPs at ``_grouped_mm_rank_efficiency`` against HBM bytes (every
+    expert's three weight gradients written, the rank's rows read). The
+    model's ``backward.wgrad`` and the calibration of
+    ``grouped_mm_efficiency_by_rows`` both use it."""
+    expert_rows = np.asarray(expert_rows, dtype=float)
+    rows_rank = expert_rows.sum(axis=1) if rows_rank is None else np.asarray(rows_rank, dtype=float)
+    d, h, b, el = dim, hidden, dtype_bytes, expert_rows.shape[1]
+    flops = 3 * 2 * rows_rank * d * h
+    moved = 3 * el * d * h * b + rows_rank * (2 * d + 3 * h) * b
+    eff = _grouped_mm_rank_efficiency(hw, expert_rows)
+    return _roofline(hw, flops / (hw.peak_tflops * 1e12 * eff), moved / (hw.hbm_gbps * 1e9))
 
 
 def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, per_sm, tma=False,
