@@ -118,8 +118,6 @@ class LayerParams:
     """Staged combine: programs that only send before joining the reduce tasks (>= 1)."""
     reduce_block_tokens: int = 16
     """Tokens per reduce task (power of two; <= block_m with presum)."""
-    reduce_unroll: bool = False
-    """A reduce task's K row loads per column block are unrolled (in flight together; the same summation order)."""
     reduce_block_dim: int = 512
     """Columns a reduce task sums per step (power of two; da_combine takes at most 256 with scores before the experts)."""
 

@@ -150,10 +150,9 @@ def da_reduce_task(
     DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
-    WORLD: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr, UNROLL: tl.constexpr,
+    WORLD: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
-    """dx and ds of ``BT`` tokens, once all their dA rows are back (``UNROLL``:
-    as ``fc2_combine.reduce_task``'s)."""
+    """dx and ds of ``BT`` tokens, once all their dA rows are back."""
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
@@ -176,7 +175,7 @@ def da_reduce_task(
                 acc = tl.zeros((BT, BD), dtype=tl.float32)
                 if SCORE_BEFORE:
                     x = tl.load(x_ptr + tok + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-                for k in tl.range(0, TOP_K, loop_unroll_factor=TOP_K if UNROLL else 1):
+                for k in range(0, TOP_K):
                     da = tl.load(returned + (rows + k)[:, None] * (2 * DIM) + offs_d[None, :], mask=mask,
                                  other=0.0, cache_modifier=".cg").to(tl.float32)
                     if SCORE_BEFORE:
@@ -231,7 +230,6 @@ def da_combine_kernel(
     WORLD: tl.constexpr,  # EP size (a failure sets every rank's abort word)
     DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
-    REDUCE_UNROLL: tl.constexpr = False,  # LayerParams.reduce_unroll
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
@@ -281,6 +279,5 @@ def da_combine_kernel(
         while task < total:
             da_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, x_ptr, x_rank_stride,
                            dx_ptr, ds_ptr, arena, anchor_rank, TOP_K * col_blocks, timeout, DIM, TOP_K, SCORE_BEFORE,
-                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS,
-                           REDUCE_UNROLL)
+                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

@@ -302,12 +302,9 @@ def reduce_task(
     task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride, arena, anchor_rank,
     arrivals_per_token, timeout, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr, WORLD: tl.constexpr, RACE: tl.constexpr,
-    SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr, UNROLL: tl.constexpr,
+    SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
-    """out of ``BT`` tokens of one rank, once all their expert rows are back.
-    ``UNROLL`` (``LayerParams.reduce_unroll``): the K row loads of a column
-    block are unrolled, so they are in flight together; the sum keeps its
-    order k = 0, 1, ..."""
+    """out of ``BT`` tokens of one rank, once all their expert rows are back."""
     local = task // tasks_per_rank
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
@@ -324,7 +321,7 @@ def reduce_task(
                 offs_d = d0 + tl.arange(0, BD)
                 mask = mask_t[:, None] & (offs_d < DIM)[None, :]
                 acc = tl.zeros((BT, BD), dtype=tl.float32)
-                for k in tl.range(0, TOP_K, loop_unroll_factor=TOP_K if UNROLL else 1):
+                for k in range(0, TOP_K):
                     y = tl.load(
                         returned + (rows + k)[:, None] * DIM + offs_d[None, :], mask=mask, other=0.0,
                         cache_modifier=".cg",
@@ -368,7 +365,6 @@ def fc2_combine_kernel(
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     STAGED: tl.constexpr = False, PRESUM: tl.constexpr = False, DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
-    REDUCE_UNROLL: tl.constexpr = False,  # LayerParams.reduce_unroll
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
@@ -481,5 +477,5 @@ def fc2_combine_kernel(
             else:
                 reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride,
                             arena, anchor_rank, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD,
-                            USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS, REDUCE_UNROLL)
+                            USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

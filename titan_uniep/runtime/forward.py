@@ -257,7 +257,6 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             do_fc2, do_send, do_reduce, send_programs, timeout, *(b_rows or (0, 0)),
             BM=p.block_m, BN=p.fc2_block_n, BK=p.fc2_block_k, BT=p.reduce_block_tokens, BD=p.reduce_block_dim,
             STAGED=staged, DEFER_RELEASE=p.fc2_defer_release and p.combine == "direct", TMA=b_rows is not None,
-            REDUCE_UNROLL=p.reduce_unroll,
             **b_opts, **shape_meta,
         )
 

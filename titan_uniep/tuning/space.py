@@ -169,7 +169,6 @@ FIELDS: dict[str, Field] = {
     "combine": Field("mixed", ("direct", "staged", "presum"), "combine", order_key=lambda v: v == "presum"),
     "combine_send_programs": Field("schedule", (1, 2, 4, 8, 16, 32), "combine"),
     "reduce_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "reduce"),
-    "reduce_unroll": Field("schedule", _BOOL, "reduce"),
     "reduce_block_dim": Field("mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce", order_key=lambda v: min(v, 256)),
     # ---- dH ----
     "dh_block_n": Field("numerics", _TILES, "dh"),
@@ -479,8 +478,7 @@ GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("da_block_n", "da_num_warps", "da_num_stages", "da_programs_per_sm", "da_tma", "da_defer_release"): (
         (128, 8, 3, 1, True, False), (128, 8, 3, 1, False, False), (128, 4, 3, 2, True, False),
         (128, 4, 3, 2, False, False), (128, 8, 3, 1, True, True), (64, 4, 3, 2, True, False)),
-    ("reduce_block_tokens", "reduce_block_dim", "reduce_unroll"): (
-        (16, 512, False), (32, 512, False), (32, 256, False), (64, 256, False), (16, 512, True), (32, 256, True)),
+    ("reduce_block_tokens", "reduce_block_dim"): ((16, 512), (32, 512), (32, 256), (64, 256)),
 }
 # With opt-in numerics: joint choices of the K steps of fc1, fc2, dA and the
 # dH tile width (the first is the defaults'), and the presum combine.
