@@ -44,7 +44,11 @@ warps, so the fields that shape the layouts of the kernels' in-tile sums
 the experts, ``dh_num_warps`` in the recomputing backward) are schedule
 fields by the interpreter's evidence until ``scripts/tuning_gpu.sh`` (STEP
 bits1) confirms them in bf16 on a GPU; the GPU tests so far confirm
-descriptor loads, ``dh_copies_rows`` and ``local_first``.
+descriptor loads, ``dh_copies_rows``, ``local_first``, ``fc1_one_dot``
+(scores after the experts: bf16 check and golden digests; with scores
+before, the runtime keeps the two-product fc1 tile, whose bits the one-dot
+tile does not reproduce there) and ``da_block_n`` up to 128 (``da_block_n``
+256 gave other bits on the mixtral-like shape and is not in the space).
 
 ``LayerShape`` is a layer's shape as the tuner sees it; ``feasible`` is the
 constraint check (shared memory and registers per program times programs per
@@ -179,7 +183,7 @@ FIELDS: dict[str, Field] = {
     "dh_programs_per_sm": Field("schedule", (1, 2), "dh"),
     "dh_copies_rows": Field("schedule", _BOOL, "dh"),
     # ---- dA ----
-    "da_block_n": Field("schedule", _TILES, "da"),
+    "da_block_n": Field("schedule", _TILES[:-1], "da"),  # 256: other bits on an H200 (docs/design.md)
     "da_block_k": Field("numerics", _K_STEPS, "da"),
     "da_num_warps": Field("schedule", _WARPS, "da"),
     "da_num_stages": Field("schedule", _STAGES, "da"),
