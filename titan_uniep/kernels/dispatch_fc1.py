@@ -102,35 +102,50 @@ def fc1_tile(
 
 
 @triton.jit
+def _fc1_a(a_ptrs, mask_m, k, score, DIM: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+           SCORE_BEFORE: tl.constexpr):
+    """K step ``k`` of an fc1 tile's gathered token rows (scaled by the router
+    score first when scores come before the experts)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        mask_k = tl.arange(0, BK) < DIM - k * BK
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
+    if SCORE_BEFORE:
+        a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
+    return a
+
+
+@triton.jit
+def _fc1_b(b_ptrs, mask_cols, k, DIM: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """K step ``k`` of a ``(BK, columns)`` weight tile (columns past H masked)."""
+    if EVEN_K:
+        if EVEN_N:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=mask_cols[None, :], other=0.0)
+    else:
+        mask_k = tl.arange(0, BK) < DIM - k * BK
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_cols[None, :], other=0.0)
+    return b
+
+
+@triton.jit
 def _fc1_two_dots(a_ptrs, mask_m, w1, w3, n0, score, DIM: tl.constexpr, HIDDEN: tl.constexpr,
                   SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
     """fp32 ``x @ w1^T`` and ``x @ w3^T`` of the tile, one accumulator each."""
     offs_n = n0 + tl.arange(0, BN)
     mask_n = offs_n < HIDDEN
-    offs_k = tl.arange(0, BK)
-    b1_ptrs = w1 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
-    b3_ptrs = w3 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    rows = offs_n[None, :].to(tl.int64) * DIM + tl.arange(0, BK)[:, None]
+    b1_ptrs = w1 + rows
+    b3_ptrs = w3 + rows
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(DIM, BK)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-            if EVEN_N:
-                b1 = tl.load(b1_ptrs)
-                b3 = tl.load(b3_ptrs)
-            else:
-                b1 = tl.load(b1_ptrs, mask=mask_n[None, :], other=0.0)
-                b3 = tl.load(b3_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < DIM - k * BK
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
-            b1 = tl.load(b1_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if SCORE_BEFORE:
-            a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
-        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
-        acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+        a = _fc1_a(a_ptrs, mask_m, k, score, DIM, BK, EVEN_K, SCORE_BEFORE)
+        acc1 = tl.dot(a, _fc1_b(b1_ptrs, mask_n, k, DIM, BK, EVEN_K, EVEN_N), acc1, input_precision=PRECISION)
+        acc3 = tl.dot(a, _fc1_b(b3_ptrs, mask_n, k, DIM, BK, EVEN_K, EVEN_N), acc3, input_precision=PRECISION)
         a_ptrs += BK
         b1_ptrs += BK
         b3_ptrs += BK
@@ -148,29 +163,15 @@ def _fc1_one_dot(a_ptrs, mask_m, w1, w3, n0, score, DIM: tl.constexpr, HIDDEN: t
     splitting the accumulator moves no data."""
     offs_j = tl.arange(0, 2 * BN)
     col = n0 + offs_j // 2
-    mask_c = col < HIDDEN
-    offs_k = tl.arange(0, BK)
-    rows = col[None, :].to(tl.int64) * DIM + offs_k[:, None]
+    rows = col[None, :].to(tl.int64) * DIM + tl.arange(0, BK)[:, None]
     b_ptrs = tl.where((offs_j % 2 == 1)[None, :], w3 + rows, w1 + rows)
     acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(DIM, BK)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-            if EVEN_N:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=mask_c[None, :], other=0.0)
-        else:
-            mask_k = offs_k < DIM - k * BK
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_c[None, :], other=0.0)
-        if SCORE_BEFORE:
-            a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a = _fc1_a(a_ptrs, mask_m, k, score, DIM, BK, EVEN_K, SCORE_BEFORE)
+        acc = tl.dot(a, _fc1_b(b_ptrs, col < HIDDEN, k, DIM, BK, EVEN_K, EVEN_N), acc, input_precision=PRECISION)
         a_ptrs += BK
         b_ptrs += BK
     return tl.split(tl.reshape(acc, (BM, BN, 2)))
-
 
 
 # Runtime scalars that differ between launches of one call (schedule phases,
