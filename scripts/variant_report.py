@@ -6,7 +6,7 @@
 For every optional path of the layer (``VARIANTS``: the staged and the
 pre-summed combine, descriptor loads in fc2 and dA, deferred releases, own
 rows first, dispatch-first, two programs per SM, the dH tasks' slot-row
-copy, the recomputing backward), the best predicted forward + backward time
+copy), the best predicted forward + backward time
 over the search grid (``tuning.space.enumerate_points``; with
 ``numerics=True`` for the paths that change bits) with the path on and with
 it off, and the model's verdict. A path the model never picks on any shape
@@ -69,10 +69,6 @@ def main() -> int:
                 picks = "n/a" if with_ is None or without is None else ("yes" if with_ < without else "no")
                 fmt = lambda v: "infeasible" if v is None else f"{v:.3f}"  # noqa: E731
                 print(f"| {name} | {world} | {variant} | {fmt(with_)} | {fmt(without)} | {picks} |")
-            saved = rank(shape, stats, world, [shape.default_params()], hw)[0][1].total
-            again = rank(shape, stats, world, [shape.default_params()], hw, saved_h13=False)[0][1].total
-            print(f"| {name} | {world} | recomputing backward (defaults) | {again:.3f} | {saved:.3f} | "
-                  f"{'yes' if again < saved else 'no'} |")
     return 0
 
 

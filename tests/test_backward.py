@@ -1,8 +1,12 @@
 """UniEP backward megakernels on a simulated world (CPU, Triton interpreter).
 
 fp32 data (the interpreter's bf16 tl.dot is wrong; bf16 runs in tests/gpu/).
-Every run poisons the backward workspace with NaN first. Each gradient (x,
-scores, w1, w2, w3) is checked against autograd of the float64 reference and
+The backward reads each slot's h1 | h3 as the forward saves them: the
+forward's own buffer (``saved_h13_of_forward``) where a test is about the
+two together, else the same rows built in torch (``saved_h13_reference``:
+the forward under the interpreter costs as much as the backward). Every run
+poisons the backward workspace with NaN first. Each gradient (x, scores,
+w1, w2, w3) is checked against autograd of the float64 reference and
 of the layout reference (torch, fp32), and fused against sequential bitwise.
 """
 
@@ -50,8 +54,13 @@ def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, for
                 w1s=local(w1), w2s=local(w2), w3s=local(w3), el=el)
 
 
-def run_both(w, *, score_before, params=None, workspace=None):
+def run_both(w, *, score_before, params=None, workspace=None, saved=None):
+    """The backward in both schedules on ``saved`` (default:
+    ``saved_h13_reference`` sized for ``workspace``)."""
     params = params or interpreter_params()
+    if saved is None:
+        capacity = workspace.inner.shape.token_capacity if workspace is not None else None
+        saved = saved_h13_reference(w, score_before=score_before, num_tokens=capacity)
     outs = {}
     for schedule in ("sequential", "fused"):
         if workspace is not None:
@@ -59,6 +68,7 @@ def run_both(w, *, score_before, params=None, workspace=None):
         outs[schedule] = simulated_moe_backward(
             w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
             score_before_experts=score_before, params=params, workspace=workspace, poison_outputs=True,
+            saved_h13=saved,
         )
     return outs["sequential"], outs["fused"]
 
@@ -74,6 +84,31 @@ def saved_h13_of_forward(w, params, *, score_before=False):
     saved = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"))
     simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
                           score_before_experts=score_before, params=params, workspace=fwd, saved_h13=saved)
+    return saved
+
+
+def saved_h13_reference(w, *, score_before=False, num_tokens=None):
+    """What the forward saves, built in torch: each copy's h1 | h3 at its slot
+    of the deterministic layout (``titan_uniep.layout``, the slots the route
+    kernels assign), NaN in unused slots; ``num_tokens``: the token capacity
+    of the backward workspace it is for (default: the most tokens of a rank)."""
+    from titan_uniep.layout import compute_layout, count_per_expert, slot_capacity
+
+    world, el, top_k = len(w["xs"]), w["el"], w["indices"][0].shape[1]
+    counts_all = torch.stack([count_per_expert(idx, el * world) for idx in w["indices"]])
+    layouts = [compute_layout(w["indices"][r], counts_all, r) for r in range(world)]
+    capacity = slot_capacity(world, num_tokens or max(max(len(x) for x in w["xs"]), 1), top_k, el)
+    saved = torch.full((world, capacity, 2 * HIDDEN), float("nan"))
+    for src, lay in enumerate(layouts):
+        for r in range(world):
+            token, choice = (lay.dest_rank == r).nonzero(as_tuple=True)
+            expert = w["indices"][src][token, choice] - r * el
+            a = w["xs"][src][token]
+            if score_before:
+                a = a * w["scores"][src][token, choice, None]
+            h1 = torch.einsum("nd,nhd->nh", a, w["w1s"][r][expert])
+            h3 = torch.einsum("nd,nhd->nh", a, w["w3s"][r][expert])
+            saved[r, lay.dest_slot[token, choice]] = torch.cat([h1, h3], 1)
     return saved
 
 
@@ -131,31 +166,15 @@ def test_backward_fused_matches_sequential_bitwise_and_references(world, num_exp
     ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN,
                                      num_experts=num_experts, top_k=top_k, dtype=torch.float32,
                                      params=interpreter_params())
-    seq, fus = run_both(w, score_before=score_before, workspace=ws)
+    saved = saved_h13_reference(w, score_before=score_before)
+    seq, fus = run_both(w, score_before=score_before, workspace=ws, saved=saved)
     assert_correct(w, seq, fus, score_before=score_before)
     again = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                    schedule="fused", score_before_experts=score_before, workspace=ws,
-                                   params=interpreter_params())
+                                   params=interpreter_params(), saved_h13=saved)
     for r in range(world):
         for name, a, b in zip(NAMES, fus[r], again[r]):
             assert torch.equal(a, b), f"rank {r} {name}: differs run to run"
-
-
-@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-def test_backward_other_dh_tile_shape(score_before):
-    """The dH tile shape the defaults do not use (one loop for h1, h3 and
-    dOut @ w2 when the default runs two, and the other way round): correct
-    and bitwise across schedules."""
-    from titan_uniep.params import LayerParams
-
-    default = interpreter_params().dh_two_pass
-    assert default == LayerParams().dh_two_pass  # the interpreter runs the GPU default's dH loops
-    params = interpreter_params(dh_two_pass=not default)
-    w = make_world(2, 8, 3, [13, 10], seed=71)
-    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                     dtype=torch.float32, params=params)
-    seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)
-    assert_correct(w, seq, fus, score_before=score_before)
 
 
 def test_backward_deferred_da_release_changes_no_bits():
@@ -165,9 +184,11 @@ def test_backward_deferred_da_release_changes_no_bits():
     w = make_world(2, 8, 3, [13, 10], seed=73, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                      dtype=torch.float32, params=interpreter_params())
+    saved = saved_h13_reference(w)
     outs = {}
     for defer in (False, True):
-        outs[defer] = run_both(w, score_before=False, workspace=ws, params=interpreter_params(da_defer_release=defer))
+        outs[defer] = run_both(w, score_before=False, workspace=ws, params=interpreter_params(da_defer_release=defer),
+                               saved=saved)
     assert_correct(w, *outs[True], score_before=False)
     for r in range(2):
         for schedule in (0, 1):
@@ -175,31 +196,33 @@ def test_backward_deferred_da_release_changes_no_bits():
                 assert torch.equal(a, b), f"rank {r} {name}: the deferred release changed a value"
 
 
-@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-def test_backward_with_h1_h3_saved_by_the_forward(score_before):
-    """The forward writes each slot's h1 | h3 (saved_h13); the backward reads
-    them instead of recomputing fc1: correct, bitwise across schedules, and
-    equal to the recomputing backward (same math, interpreter fp32)."""
+def test_backward_needs_the_h1_h3_saved_by_the_forward():
+    """There is no backward that recomputes h1 | h3: a call without the
+    forward's buffer, or with one of another shape, fails before any launch
+    and says what to pass."""
+    from types import SimpleNamespace
+
+    from titan_uniep.kernels.scoreboard import CTL_EPOCH
+    from titan_uniep.runtime import moe_backward
+
     w = make_world(2, 8, 3, [13, 10], seed=81)
     cfg = interpreter_params()
-    saved = saved_h13_of_forward(w, cfg, score_before=score_before)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                      dtype=torch.float32, params=cfg)
-    outs = {}
-    for schedule in ("sequential", "fused"):
-        ws.poison()
-        outs[schedule] = simulated_moe_backward(
-            w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, params=cfg, workspace=ws, poison_outputs=True, saved_h13=saved)
-    assert_correct(w, outs["sequential"], outs["fused"], score_before=score_before)
-    _, recomputed = run_both(w, score_before=score_before, workspace=ws)
-    for r in range(2):
-        for name, a, b in zip(NAMES, outs["fused"][r], recomputed[r]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+    args = (w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"])
+    epochs = ws.inner.control[:, CTL_EPOCH].clone()
+    fix = r"needs saved_h13.*run the forward \(runtime\.forward\.{}\) with saved_h13=BUFFER"
+    with pytest.raises(ValueError, match=fix.format("simulated_moe_forward")):
+        simulated_moe_backward(*args, schedule="fused", score_before_experts=False, params=cfg, workspace=ws)
+    real_ep = SimpleNamespace(is_simulated=False)  # the check comes before anything touches the workspace
+    with pytest.raises(ValueError, match=fix.format("moe_forward")):
+        moe_backward(w["grads"][0], w["xs"][0], w["scores"][0], w["indices"][0], w["w1s"][0], w["w2s"][0],
+                     w["w3s"][0], workspace=real_ep, score_before_experts=False)
+    wrong = torch.zeros(2, ws.inner.shape.slot_capacity - 1, 2 * HIDDEN)
     with pytest.raises(ValueError, match="saved_h13 must be"):
-        simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                               schedule="fused", score_before_experts=score_before, params=cfg, workspace=ws,
-                               saved_h13=saved[:, :-1])
+        simulated_moe_backward(*args, schedule="fused", score_before_experts=False, params=cfg, workspace=ws,
+                               saved_h13=wrong)
+    assert torch.equal(ws.inner.control[:, CTL_EPOCH], epochs), "a refused call started a call epoch"
 
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
@@ -212,6 +235,9 @@ def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before):
     w = make_world(2, 8, 3, [13, 10], seed=83, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
     cfg = interpreter_params()
     saved = saved_h13_of_forward(w, cfg, score_before=score_before)
+    # the other tests' stand-in for the forward's buffer: the same slots (NaN where unused), the same values
+    torch.testing.assert_close(saved_h13_reference(w, score_before=score_before), saved, rtol=1e-5, atol=1e-6,
+                               equal_nan=True)
     ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                      dtype=torch.float32, params=cfg)
     outs = {}
@@ -229,18 +255,17 @@ def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before):
                 assert torch.equal(a, b), f"{schedule} rank {r} {name}: the copy by the dH tasks changed a value"
 
 
-@pytest.mark.parametrize("world,num_tokens,saved", [(2, [13, 10], True), (4, [9, 0, 11, 6], False)])
-def test_backward_local_first_schedule_changes_no_bits(world, num_tokens, saved):
+@pytest.mark.parametrize("world,num_tokens", [(2, [13, 10]), (4, [9, 0, 11, 6])])
+def test_backward_local_first_schedule_changes_no_bits(world, num_tokens):
     """``LayerParams.local_first`` in dispatch_dh (rows that stay on a rank
     dispatched first by every program, tiles of only those first): every
-    gradient equals the default schedule's bit for bit, in both schedules,
-    with h1 | h3 saved by the forward or recomputed (skewed routing, a rank
-    with no tokens)."""
+    gradient equals the default schedule's bit for bit, in both schedules
+    (skewed routing, a rank with no tokens)."""
     from titan_uniep.kernels.scoreboard import CTL_OWN_DISPATCH_TASKS
 
     w = make_world(world, 8, 3, num_tokens, seed=91 + world, force=5)
     base = interpreter_params(num_programs=3)
-    saved_h13 = saved_h13_of_forward(w, base) if saved else None
+    saved_h13 = saved_h13_of_forward(w, base)
     ws = BackwardWorkspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8,
                                      top_k=3, dtype=torch.float32, params=base)
     outs = {}
@@ -282,11 +307,14 @@ def test_backward_bitwise_and_correct_under_edge_routing(case):
 
 
 def test_backward_silent_rank_times_out_with_a_clear_error():
+    from titan_uniep.layout import slot_capacity
+
     w = make_world(2, 8, 3, [6, 6], seed=31)
     params = interpreter_params(debug_silent_rank=1, interpreter_max_spins=3)
+    saved = torch.randn(2, slot_capacity(2, 6, 3, w["el"]), 2 * HIDDEN)  # any values: the dH tiles never run
     with pytest.raises(RuntimeError, match=r"backward failed on EP rank 0 .*\[x \| dOut\] rows of tile \d+"):
         simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                               schedule="fused", score_before_experts=False, params=params)
+                               schedule="fused", score_before_experts=False, params=params, saved_h13=saved)
 
 
 @pytest.mark.parametrize("local_first", [False, True])
@@ -304,8 +332,9 @@ def test_backward_per_rank_launches_match_the_simulated_world(local_first):
     w = make_world(world, 8, 3, [11, 6], seed=51)
     bws = BackwardWorkspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                       dtype=torch.float32, params=cfg)
+    saved = saved_h13_reference(w)
     whole = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                                   schedule="sequential", score_before_experts=False, workspace=bws)
+                                   schedule="sequential", score_before_experts=False, workspace=bws, saved_h13=saved)
     ws = bws.inner
     per_rank = ("h", "control", "counts_all", "num_tokens", "block_counts", "route_tables", "dest_rank",
                 "dest_slot", "dest_tile", "tile_expert", "tile_start", "tile_end", "num_tiles", "tile_order")
@@ -321,7 +350,8 @@ def test_backward_per_rank_launches_match_the_simulated_world(local_first):
         assert route_args.tables.data_ptr() == inner.route_tables.data_ptr()
         parts = bws.ds_parts[r:r + 1]
         views.append(SimpleNamespace(inner=inner, dim=DIM, dh1=bws.dh1[r:r + 1], dh3=bws.dh3[r:r + 1],
-                                     slot_rows=bws.slot_rows[r:r + 1], ds_parts_for=lambda n, parts=parts: parts))
+                                     g32=bws.g32[r:r + 1], slot_rows=bws.slot_rows[r:r + 1],
+                                     ds_parts_for=lambda n, parts=parts: parts))
     for step in ("count", "publish", "collect", "place"):
         for r in range(world):
             indices = w["indices"][r].unsqueeze(0)
@@ -329,7 +359,8 @@ def test_backward_per_rank_launches_match_the_simulated_world(local_first):
     # One rank's arrays as moe_backward builds them (L = 1).
     u = lambda t: t.contiguous().unsqueeze(0)  # noqa: E731
     arrays = [CallArrays(x=u(w["xs"][r]), grad_out=u(w["grads"][r]), scores=u(w["scores"][r].float()),
-                         w1=u(w["w1s"][r]), w2=u(w["w2s"][r]), w3=u(w["w3s"][r])) for r in range(world)]
+                         w1=u(w["w1s"][r]), w2=u(w["w2s"][r]), w3=u(w["w3s"][r]), h13=saved[r:r + 1])
+              for r in range(world)]
     outs = [None] * world
     for phase in ("dispatch", "dh", "swiglu", "da"):
         for r in range(world):
@@ -346,10 +377,11 @@ def test_backward_workspace_grows_when_asked_and_keeps_working():
     ws = BackwardWorkspace.simulated(2, num_tokens=4, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=2,
                                      dtype=torch.float32, params=interpreter_params())
     w = make_world(2, 8, 2, [9, 6], seed=61)
+    saved = saved_h13_reference(w)  # sized for 9 tokens
     with pytest.raises(RuntimeError, match="ensure_capacity"):
-        run_both(w, score_before=False, workspace=ws)
+        run_both(w, score_before=False, workspace=ws, saved=saved)
     assert ws.ensure_capacity(9) and not ws.ensure_capacity(5)
-    seq, fus = run_both(w, score_before=False, workspace=ws)
+    seq, fus = run_both(w, score_before=False, workspace=ws, saved=saved)
     assert_correct(w, seq, fus, score_before=False)
 
 

@@ -1,10 +1,10 @@
 """The kernels' output bits are those frozen in tests/golden/ (before the
 LayerParams / runtime restructure): forward output, h1 | h3 and every gradient
-of the saved and the recomputing backward, both schedules, simulated worlds
+of the backward (on the saved h1 | h3), both schedules, simulated worlds
 W = 1, 2, 4, both score modes, every case of ``make_golden.py``.
 
 CI runs the interpreter cases that cover each feature once (the whole set
-takes about 3 CPU-minutes: ``python tests/golden/make_golden.py --check
+takes about 2 CPU-minutes: ``python tests/golden/make_golden.py --check
 tests/golden/interpreter.json``); the GPU test checks every bf16 case."""
 
 import os

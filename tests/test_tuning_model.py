@@ -65,7 +65,7 @@ def test_every_layer_params_field_has_one_kind():
     k_steps = {"fc1_block_k", "fc2_block_k", "dh_block_k", "da_block_k"}
     assert k_steps | {"dh_block_n", "wgrad_backend"} <= numerics - schedule
     assert {"combine", "reduce_block_dim"} <= schedule & numerics  # mixed: some values keep the bits
-    assert {"block_m", "fc1_block_n", "local_first", "dh_two_pass", "fc2_tma", "da_tma"} <= schedule - numerics
+    assert {"block_m", "fc1_block_n", "local_first", "dh_copies_rows", "fc2_tma", "da_tma"} <= schedule - numerics
     base = LayerParams()
     assert keeps_bits(base.replace(combine="staged"), base) is None
     assert keeps_bits(base.replace(combine="presum"), base) == "combine"
@@ -261,6 +261,35 @@ def test_constants_round_trip_and_unknown_keys_are_rejected(tmp_path):
     path.write_text(json.dumps({"name": "NVIDIA H200", "hbm_gbs": 1.0}))
     with pytest.raises(ValueError, match="hbm_gbs"):
         load_constants(path)
+
+
+def test_constants_files_from_before_the_recomputing_backward_was_removed_still_load(tmp_path):
+    """A file that still holds the removed path's constants (its one-pass dH
+    efficiency, its dH tiles' GEMM efficiencies) loads without them, and
+    predicts as the same file without them."""
+    kept = {"dh:128x128x64:w8:s3:p2": 0.5}
+    data = dataclasses.asdict(dataclasses.replace(H200, gemm_efficiency=kept))
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(dict(data, one_pass_dh_efficiency=0.9,
+                                    gemm_efficiency=dict(kept, **{"dh_recompute:128x384x64:w8:s3:p1": 0.4}))))
+    old = load_constants(path)
+    assert old == dataclasses.replace(H200, gemm_efficiency=kept)
+    shape, stats = layer("qwen3")
+    assert predict(shape, stats, 2, shape.default_params(), old).total == \
+        predict(shape, stats, 2, shape.default_params(), dataclasses.replace(H200, gemm_efficiency=kept)).total
+
+
+def test_measurement_records_from_before_the_recomputing_backward_was_removed():
+    """Old records say ``"saved_h13": true`` (the backward that remains) and may
+    carry ``dh_two_pass``, which that backward never read: they predict as
+    records without them; a record of the removed backward is refused."""
+    shape, _ = layer("qwen3")
+    record = calibrate.measurement_record(shape, {"dispatch_programs": 16}, {"forward": 1, "backward": 1})
+    assert "saved_h13" not in record
+    old = dict(record, saved_h13=True, params={"dispatch_programs": 16, "dh_two_pass": False})
+    assert calibrate.record_prediction(old, H200) == calibrate.record_prediction(record, H200)
+    with pytest.raises(ValueError, match="recomputing backward .*saved_h13 false.*drop it"):
+        calibrate.record_prediction(dict(old, saved_h13=False), H200)
 
 
 def test_fit_recovers_a_stage_scale_and_check_flags_a_bad_model():

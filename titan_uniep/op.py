@@ -20,9 +20,9 @@ second output is each receive slot's h1 | h3 (``slot_capacity x 2H`` in the
 activation dtype, written by the forward megakernel), which autograd keeps
 for the backward, as TorchTitan's keeps h1 and h3 of its grouped GEMMs;
 besides it the op saves only its inputs. The backward re-dispatches x next
-to the output gradient (for dW1/dW3) and reads h1 and h3 instead of
-recomputing fc1 (the score gradient needs no fc2: ``<dOut, y> = <dOut @ w2,
-h>``). Every gradient is bitwise equal across ``sequential`` and ``fused``;
+to the output gradient (for dW1/dW3) and reads h1 and h3 (no second fc1;
+the score gradient needs no fc2: ``<dOut, y> = <dOut @ w2, h>``). Every
+gradient is bitwise equal across ``sequential`` and ``fused``;
 the fused backward does not synchronise with the host (errors are polled
 lazily).
 

@@ -126,16 +126,14 @@ class LayerParams:
     """Columns of H per dH tile (power of two, >= 16)."""
     dh_block_k: int = 64
     """K step of the dH tile's loops over D (power of two, >= 16; sets the summation order)."""
-    dh_two_pass: bool = True
-    """Recomputing backward: one K-loop for h1 | h3, then one for G, instead of all three in one loop."""
     dh_num_warps: int = 8
     """Warps per dispatch_dh program."""
     dh_num_stages: int = 3
     """Software-pipelining depth of the dH K-loops (>= 1)."""
     dh_programs_per_sm: int = 2
-    """dispatch_dh programs per SM (GPU) when h1 | h3 are saved (run under a register cap that fits them)."""
+    """dispatch_dh programs per SM (GPU; run under a register cap that fits them)."""
     dh_copies_rows: bool = True
-    """With saved h1 | h3, dH tasks also copy each slot's x and dOut rows for the weight gradients (else a gather launch)."""
+    """dH tasks also copy each slot's x and dOut rows for the weight gradients (else a gather launch)."""
 
     # ---- dA tiles (da_combine) ----
     da_block_n: int = 128

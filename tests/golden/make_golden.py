@@ -16,8 +16,8 @@ Per case and per schedule ("sequential", "fused"): the forward (with a
 saved_h13 buffer) gives every rank's output and the h1 | h3 rows of the slots
 the call uses (rank r's first ``used[r]`` slots: the copies routed to its
 experts; the buffer starts as NaN and the script checks that exactly those
-rows were written); then the backward with those saved h1 | h3 and again
-without (the recomputing path) gives dx, dscores, dw1, dw2, dw3 of every rank.
+rows were written); then the backward with those saved h1 | h3 gives dx,
+dscores, dw1, dw2, dw3 of every rank (``bwd_saved.*``).
 Digest = sha256 over (str(dtype), tuple(shape), the raw bytes). JSON:
 ``{case_name: {schedule: {tensor_name: hexdigest}}}``. The script also checks
 that both schedules give the same digests and that every tensor is finite.
@@ -26,7 +26,9 @@ The digests in ``interpreter.json`` were frozen from the code before the
 ``LayerParams`` / ``runtime`` restructure (commit a5d4819) and must stay
 equal: only ``make_params``, ``run_forward`` and ``run_backward`` (the
 ADAPTER section below) touch titan_uniep's API; cases, inputs, digests, JSON
-and CLI must stay as they are, or the digests stop being comparable.
+and CLI must stay as they are, or the digests stop being comparable. (The
+recomputing backward's ``bwd_recompute.*`` digests were deleted from both
+JSON files with that path; every other digest is the frozen one.)
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def run_forward(params, inputs: dict, *, schedule: str, score_before: bool):
 
 def run_backward(params, inputs: dict, *, schedule: str, score_before: bool, saved_h13):
     """Returns one (dx, dscores, dw1, dw2, dw3) per rank; ``saved_h13``: the
-    forward's buffer, or None to recompute h1 | h3."""
+    forward's buffer."""
     _import_titan_uniep()
     from titan_uniep.runtime import simulated_moe_backward
 
@@ -267,11 +269,10 @@ def run_case(case: dict, device: str, problems: list[str]) -> dict:
             tensors[f"fwd.h13.r{r}"] = rows
             if not torch.isnan(h13[r, used:]).all():
                 problems.append(f"{name} {schedule}: rank {r} h13 rows past the {used} used slots were written")
-        for tag, saved in (("bwd_saved", h13), ("bwd_recompute", None)):
-            grads = run_backward(params, inputs, schedule=schedule, score_before=score_before, saved_h13=saved)
-            for r in range(world):
-                for gname, g in zip(GRAD_NAMES, grads[r]):
-                    tensors[f"{tag}.{gname}.r{r}"] = g
+        grads = run_backward(params, inputs, schedule=schedule, score_before=score_before, saved_h13=h13)
+        for r in range(world):
+            for gname, g in zip(GRAD_NAMES, grads[r]):
+                tensors[f"bwd_saved.{gname}.r{r}"] = g
         for tname, t in tensors.items():
             if t.is_floating_point() and not torch.isfinite(t).all():
                 problems.append(f"{name} {schedule}: {tname} has NaN / inf")

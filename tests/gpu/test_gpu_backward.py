@@ -62,28 +62,26 @@ def float64_grads(w, score_before):
     return per_rank
 
 
-def check(w, *, score_before, wgrad="auto", saved=False, overrides=None):
+def check(w, *, score_before, wgrad="auto", overrides=None):
     """Fused == sequential == run again bitwise, no NaN, close to float64;
     returns the fused gradients. The backward runs the shape's default
-    ``LayerParams`` with ``wgrad_backend=wgrad`` and ``overrides``."""
+    ``LayerParams`` with ``wgrad_backend=wgrad`` and ``overrides``, on the
+    h1 | h3 the fused forward saved (as the custom op runs it)."""
     world = len(w["xs"])
     params = default_params(world, hidden=HIDDEN).replace(wgrad_backend=wgrad, **(overrides or {}))
-    return _check(w, world, score_before, saved, params)
+    return _check(w, world, score_before, params)
 
 
-def _check(w, world, score_before, saved, params):
+def _check(w, world, score_before, params):
     num_tokens, top_k = max(max(len(x) for x in w["xs"]), 1), w["indices"][0].shape[1]
     ws = BackwardWorkspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
                                      num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda",
                                      params=params)
-    h13 = None
-    if saved:  # h1 | h3 saved by the forward, as the custom op runs it
-        fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
-                                  num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda")
-        h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"), device="cuda",
-                         dtype=torch.bfloat16)
-        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                              score_before_experts=score_before, workspace=fwd, saved_h13=h13)
+    fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN,
+                              num_experts=w["el"] * world, top_k=top_k, dtype=torch.bfloat16, device="cuda")
+    h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                          score_before_experts=score_before, workspace=fwd, saved_h13=h13)
     outs = {}
     for schedule in ("sequential", "fused", "fused_again"):
         ws.poison()
@@ -109,9 +107,11 @@ def _check(w, world, score_before, saved, params):
 TOKENS = {2: [300, 257], 4: [300, 170, 0, 257], 8: [300, 170, 0, 257, 64, 1, 129, 200]}
 
 
-@pytest.mark.parametrize("world,score_before", [(2, False), (4, True), (8, False)])
+@pytest.mark.parametrize("world,score_before", [(2, False), (2, True), (4, True), (8, False)])
 def test_gpu_backward_bitwise_and_close_to_float64(world, score_before):
-    """W = 4 and 8: EP on one 8-GPU node, simulated on one GPU (ranks with 0 and 1 tokens)."""
+    """The op's path: dH tiles compute G only (two programs per SM), the
+    SwiGLU backward runs as its own pass. W = 4 and 8: EP on one 8-GPU node,
+    simulated on one GPU (ranks with 0 and 1 tokens)."""
     check(make_world(world, 16, 4, TOKENS[world], seed=world), score_before=score_before)
 
 
@@ -129,13 +129,6 @@ def test_gpu_backward_weight_grad_backends(wgrad, score_before):
         pytest.skip("torch._grouped_mm runs on sm_90+")
     check(make_world(2, 16, 2, [5, 3], seed=11), score_before=score_before, wgrad=wgrad)
     check(make_world(2, 8, 3, [400, 333], seed=12, force=5), score_before=score_before, wgrad=wgrad)
-
-
-@pytest.mark.parametrize("world,score_before", [(2, False), (2, True), (8, False)])
-def test_gpu_backward_with_h1_h3_saved_by_the_forward(world, score_before):
-    """The op's path: dH tiles compute G only (two programs per SM), the SwiGLU
-    backward runs as its own pass; bitwise across schedules, close to float64."""
-    check(make_world(world, 16, 4, TOKENS[world], seed=20 + world), score_before=score_before, saved=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -159,13 +152,14 @@ def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
     fwd = Workspace.simulated(world, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=16, top_k=4,
                               dtype=torch.bfloat16, device="cuda")
     base = default_params(world, hidden=HIDDEN)
+    h13 = torch.full((world, fwd.shape.slot_capacity, 2 * HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
     outs = {}
     for tma in (False, True):
         for schedule in ("sequential", "fused"):
             fwd.poison()
             outs[tma, schedule] = [o.clone() for o in simulated_moe_forward(
                 w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, workspace=fwd, params=base.replace(fc2_tma=tma))]
+                score_before_experts=False, workspace=fwd, params=base.replace(fc2_tma=tma), saved_h13=h13)]
     assert made, "the forward did not take the tensor-descriptor path"
     for r in range(world):
         for key in outs:
@@ -180,7 +174,8 @@ def test_gpu_tma_operands_change_no_bits(world, monkeypatch):
             bws.poison()
             grads[tma, schedule] = [[g.clone() for g in rank] for rank in simulated_moe_backward(
                 w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-                score_before_experts=False, workspace=bws, poison_outputs=True, params=base.replace(da_tma=tma))]
+                score_before_experts=False, workspace=bws, poison_outputs=True, params=base.replace(da_tma=tma),
+                saved_h13=h13)]
     assert made, "the backward did not take the tensor-descriptor path"
     for r in range(world):
         for key in grads:
@@ -197,8 +192,8 @@ def test_gpu_backward_options_change_no_bits(world, score_before, option):
     of the gather launch. Every gradient equals the other setting's bit for
     bit (and is bitwise across schedules, close to float64)."""
     w = make_world(world, 16, 4, TOKENS[world], seed=40 + world)
-    off = check(w, score_before=score_before, saved=True, overrides={option: False})
-    on = check(w, score_before=score_before, saved=True, overrides={option: True})
+    off = check(w, score_before=score_before, overrides={option: False})
+    on = check(w, score_before=score_before, overrides={option: True})
     for r in range(world):
         for name, a, b in zip(NAMES, off[r], on[r]):
             assert torch.equal(a, b), f"rank {r} {name}: {option} changed a value"

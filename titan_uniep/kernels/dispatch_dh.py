@@ -1,5 +1,5 @@
 """dispatch_dh (backward megakernel BA): dispatch ``[x | dOut]`` + the dH tiles,
-and the SwiGLU backward pass that follows them when h1 | h3 are saved.
+and the SwiGLU backward pass that follows them on the h1 | h3 the forward saved.
 
 Same layout, tiles and scoreboard as the forward (``dispatch_fc1``); the
 backward has its own workspace whose token rows are ``2 * D`` wide:
@@ -15,7 +15,7 @@ Index arrays (``L`` local ranks, stacked as in the forward):
   ``slot_copy``/``slot_score`` ``(S,)``, ``tile_arrivals`` ``(C,)``;
 - local: ``h``, ``dh1``, ``dh3`` ``(L, S, H)``; ``ds_parts`` ``(L, S, NHB)``
   fp32, one router-score partial per slot and dH column block; ``g32``
-  ``(L, S, H)`` fp32 and ``h13`` ``(L, S, 2H)`` with saved h1 | h3;
+  ``(L, S, H)`` fp32 and ``h13`` ``(L, S, 2H)`` with the saved h1 | h3;
   ``slot_rows`` ``(L, 2, S, D)``: the weight gradients' dense operands.
 
 Tasks of ``dispatch_dh_kernel``:
@@ -25,13 +25,10 @@ Tasks of ``dispatch_dh_kernel``:
    write slot entries, release one arrival per copy on its tile;
 2. dH tile (expert rows ``m0..m1`` x ``dh_block_n`` columns of H): wait
    (bounded) for the tile's rows (``tile_arrivals``), then ``G = dOut @ w2``
-   (the dispatched, unscaled rows). With saved h1 | h3 the tile stores G in
-   fp32 and, with ``dh_copies_rows``, copies one column chunk of its slots'
-   x and dOut rows into ``slot_rows``; ``swiglu_backward_kernel`` then runs
-   the SwiGLU backward as a streaming pass. Recomputing (no saved h1 | h3),
-   the tile also recomputes ``h1 = a @ w1^T``, ``h3 = a @ w3^T`` (``a`` the x
-   row, times the score when scores come before the experts) and runs the
-   SwiGLU backward in its epilogue.
+   (the dispatched, unscaled rows), stored in fp32; with ``dh_copies_rows``
+   the task also copies one column chunk of its slots' x and dOut rows into
+   ``slot_rows``. ``swiglu_backward_kernel`` then runs the SwiGLU backward as
+   a streaming pass over G and the saved h1 | h3.
 
 SwiGLU backward (``_swiglu_grad``): ``dH = s * G`` (scores after the experts)
 or ``G`` (before); stores ``h`` (``s * h`` after the experts: the weight
@@ -62,47 +59,6 @@ from .scoreboard import (
 from .wgrad import copy_slot_rows
 
 _CTL_DH_TASKS = tl.constexpr(CTL_TILE_TASKS)
-
-
-@triton.jit
-def _operands3(a_ptrs, b_ptrs, c_ptrs, mask_m, mask_n, offs_k, k, DIM: tl.constexpr, BK: tl.constexpr,
-               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ONE_WEIGHT: tl.constexpr):
-    """One K step's gathered rows ``a`` (BM x BK) and weight tiles ``b``, ``c``
-    (BK x BN pointer blocks; ``ONE_WEIGHT``: ``c`` is ``b``), masked as the
-    shape needs."""
-    if EVEN_K:
-        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-        if EVEN_N:
-            b = tl.load(b_ptrs)
-            c = b if ONE_WEIGHT else tl.load(c_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-            c = b if ONE_WEIGHT else tl.load(c_ptrs, mask=mask_n[None, :], other=0.0)
-    else:
-        mask_k = offs_k < DIM - k * BK
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        b = tl.load(b_ptrs, mask=mask_kn, other=0.0)
-        c = b if ONE_WEIGHT else tl.load(c_ptrs, mask=mask_kn, other=0.0)
-    return a, b, c
-
-
-@triton.jit
-def _grad_out_w2(acc, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM: tl.constexpr,
-                 HIDDEN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """acc += dOut rows (the dispatched ``[x | dOut]`` rows' second half) @ w2
-    columns ``offs_n``: the K-loop over D of its own (pointers built here, so
-    they are not live across an earlier loop)."""
-    dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
-    b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
-    for k in range(0, tl.cdiv(DIM, BK)):
-        dy, b2, _unused = _operands3(dy_ptrs, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK, EVEN_K, EVEN_N,
-                                     True)
-        acc = tl.dot(dy, b2, acc, input_precision=PRECISION)
-        dy_ptrs += BK
-        b2_ptrs += BK * HIDDEN
-    return acc
 
 
 @triton.jit
@@ -142,88 +98,45 @@ def _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, 
 
 @triton.jit
 def grad_hidden_tile(
-    tokens, slot_copy, slot_score, w1, w2, w3, h, dh1, dh3, ds_parts, h13, g32, m0, m1, col_block,
-    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO_PASS: tl.constexpr, SAVED_H13: tl.constexpr,
-    PRECISION: tl.constexpr,
+    tokens, slot_copy, w2, g32, m0, m1, col_block, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """h (times the score, scores after), dh1, dh3 and the score partials at
-    slots ``m0..m1``, columns ``col_block * BN + [0, BN)`` of one expert
-    (``w1``/``w3``: its (H, D), ``w2``: its (D, H)). The K-loops over D have
-    compile-time trip counts and advancing pointers (software-pipelined: the
-    gathered ``[x | dOut]`` rows and the weight tiles are async copies).
-    ``TWO_PASS``: one loop for h1/h3, then one for G (a wider tile, the
-    gathered rows read twice); else all three in one loop. ``SAVED_H13``: h1
-    and h3 come from the forward (``h13`` ``(S, 2H)``): the tile is one loop
-    for G and stores it in fp32 (``g32`` ``(S, H)``); ``swiglu_backward_kernel``
-    then does the rest (an epilogue here would be a streaming pass at a
-    fraction of the memory bandwidth, with nothing to overlap it)."""
+    """``G = dOut @ w2`` in fp32 (``g32`` ``(S, H)``) at slots ``m0..m1``,
+    columns ``col_block * BN + [0, BN)`` of one expert (``w2``: its (D, H)):
+    the dOut rows are the second half of the dispatched ``[x | dOut]`` rows.
+    The K-loop over D has a compile-time trip count and advancing pointers
+    (software-pipelined: the gathered rows and the w2 tiles are async
+    copies). ``swiglu_backward_kernel`` then does the rest with the saved
+    h1 | h3 (an epilogue here would be a streaming pass at a fraction of the
+    memory bandwidth, with nothing to overlap it)."""
     EVEN_K: tl.constexpr = DIM % BK == 0
     EVEN_N: tl.constexpr = HIDDEN % BN == 0
-    NHB: tl.constexpr = (HIDDEN + BN - 1) // BN
     offs_m = m0 + tl.arange(0, BM)
     mask_m = offs_m < m1
     offs_n = col_block * BN + tl.arange(0, BN)
     mask_n = offs_n < HIDDEN
     offs_k = tl.arange(0, BK)
-    out_ty = h.dtype.element_ty
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     token_row = (copy_id // TOP_K).to(tl.int64)
-    score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
-    a_ptrs = tokens + token_row[:, None] * (2 * DIM) + offs_k[None, :]
-    b1_ptrs = w1 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
-    b3_ptrs = w3 + offs_n[None, :].to(tl.int64) * DIM + offs_k[:, None]
-    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-    acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
-    # TorchTitan's (x.float() * s).to(x.dtype) before the experts; after them
-    # the score scales the fp32 product G = dOut @ w2 (epilogue).
-    if SAVED_H13:
-        acc_dh = _grad_out_w2(acc_dh, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM, HIDDEN, BK,
-                              EVEN_K, EVEN_N, PRECISION)
-        at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
-        tl.store(g32 + at, acc_dh, mask=mask_m[:, None] & mask_n[None, :])
-    elif TWO_PASS:
-        # h1, h3 first (two accumulators), then G (one): three BN-wide
-        # accumulators never live at once, so BN can be 128. The gathered
-        # rows are read twice (L2).
-        for k in range(0, tl.cdiv(DIM, BK)):
-            a, b1, b3 = _operands3(a_ptrs, b1_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k, DIM, BK, EVEN_K, EVEN_N,
-                                   False)
-            if SCORE_BEFORE:
-                a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
-            acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
-            acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
-            a_ptrs += BK
-            b1_ptrs += BK
-            b3_ptrs += BK
-        # h1 and h3 stay in registers, rounded, across the second loop (ptxas
-        # spills ~0.5 KB at BN = 128; still faster than BN = 64 in one loop).
-        gate_lp = acc1.to(out_ty)
-        up_lp = acc3.to(out_ty)
-        acc_dh = _grad_out_w2(acc_dh, tokens, token_row, w2, mask_m, mask_n, offs_n, offs_k, DIM, HIDDEN, BK,
-                              EVEN_K, EVEN_N, PRECISION)
-    else:
-        b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
-        for k in range(0, tl.cdiv(DIM, BK)):
-            a, b1, b3 = _operands3(a_ptrs, b1_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k, DIM, BK, EVEN_K, EVEN_N,
-                                   False)
-            dy, b2, _unused = _operands3(a_ptrs + DIM, b2_ptrs, b2_ptrs, mask_m, mask_n, offs_k, k, DIM, BK,
-                                         EVEN_K, EVEN_N, True)
-            if SCORE_BEFORE:
-                a = (a.to(tl.float32) * score[:, None]).to(a.dtype)
-            acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
-            acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
-            acc_dh = tl.dot(dy, b2, acc_dh, input_precision=PRECISION)
-            a_ptrs += BK
-            b1_ptrs += BK
-            b3_ptrs += BK
-            b2_ptrs += BK * HIDDEN
-        gate_lp = acc1.to(out_ty)
-        up_lp = acc3.to(out_ty)
-    if not SAVED_H13:
-        _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, h, dh1, dh3, ds_parts,
-                     col_block, HIDDEN, NHB, SCORE_BEFORE)
+    dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
+    b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(DIM, BK)):
+        if EVEN_K:
+            dy = tl.load(dy_ptrs, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            if EVEN_N:
+                b2 = tl.load(b2_ptrs)
+            else:
+                b2 = tl.load(b2_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < DIM - k * BK
+            dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, cache_modifier=".cg")
+            b2 = tl.load(b2_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(dy, b2, acc, input_precision=PRECISION)
+        dy_ptrs += BK
+        b2_ptrs += BK * HIDDEN
+    at = offs_m[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
+    tl.store(g32 + at, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_dispatch", "do_tiles", "num_dispatch_programs",
@@ -234,19 +147,10 @@ def dispatch_dh_kernel(
     x_rank_stride,
     scores_ptr,  # (L, T_cap, K) fp32
     route,  # scoreboard.Route
-    w1_ptr,  # (L, El, H, D)
     w2_ptr,  # (L, El, D, H)
-    w3_ptr,  # (L, El, H, D)
     weight_rank_stride,
-    h_ptr,  # (L, S, H) out
-    dh1_ptr,  # (L, S, H) out
-    dh3_ptr,  # (L, S, H) out
-    h_rank_stride,
-    ds_parts_ptr,  # (L, S, NHB) fp32 out (scores after the experts)
-    ds_parts_rank_stride,
-    h13_ptr,  # (L, S, 2H) h1 | h3 saved by the forward (SAVED_H13; any pointer otherwise)
-    h13_rank_stride,
-    g32_ptr,  # (L, S, H) fp32 out: G = dOut @ w2 per slot (SAVED_H13; any pointer otherwise), h_rank_stride
+    g32_ptr,  # (L, S, H) fp32 out: G = dOut @ w2 per slot
+    g32_rank_stride,
     slot_rows_ptr,  # (L, 2, S, D) out: dense [xs, dys] slot rows (COPY_ROWS; any pointer otherwise)
     slot_rows_rank_stride,
     control_ptr,  # (L, CONTROL_WORDS) int64
@@ -262,7 +166,7 @@ def dispatch_dh_kernel(
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
     KP: tl.constexpr,  # next power of two >= TOP_K
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, TWO_PASS: tl.constexpr, SAVED_H13: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr,
     USE_TIMER: tl.constexpr, COPY_ROWS: tl.constexpr = False, BDC: tl.constexpr = 64,
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
@@ -282,17 +186,11 @@ def dispatch_dh_kernel(
                 NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK)
             if ready:
                 weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
-                hidden_at = local.to(tl.int64) * h_rank_stride
                 grad_hidden_tile(
                     arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens),
                     arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy),
-                    arena_ptr(arena.f32, arena, anchor_rank, rank, arena.slot_score),
-                    w1_ptr + weights, w2_ptr + weights, w3_ptr + weights,
-                    h_ptr + hidden_at, dh1_ptr + hidden_at, dh3_ptr + hidden_at,
-                    ds_parts_ptr + local.to(tl.int64) * ds_parts_rank_stride,
-                    h13_ptr + local.to(tl.int64) * h13_rank_stride, g32_ptr + hidden_at,
-                    m0, m1, col_block, DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, TWO_PASS, SAVED_H13,
-                    PRECISION,
+                    w2_ptr + weights, g32_ptr + local.to(tl.int64) * g32_rank_stride,
+                    m0, m1, col_block, DIM, HIDDEN, TOP_K, BM, BN, BK, PRECISION,
                 )
                 if COPY_ROWS:
                     # The weight gradients' dense slot rows (what gather_slot_rows_kernel
@@ -316,7 +214,7 @@ def dispatch_dh_kernel(
 
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base"])
 def swiglu_backward_kernel(
-    g32_ptr,  # (L, S, H) fp32: G = dOut @ w2 per slot (dH tiles with SAVED_H13)
+    g32_ptr,  # (L, S, H) fp32: G = dOut @ w2 per slot (the dH tiles')
     h13_ptr,  # (L, S, 2H) h1 | h3 saved by the forward
     h13_rank_stride,
     h_ptr,  # (L, S, H) out
@@ -336,10 +234,10 @@ def swiglu_backward_kernel(
     BS: tl.constexpr,
     BN: tl.constexpr,
 ):
-    """The dH tiles' SwiGLU backward as a streaming pass (saved h1 | h3):
-    slots ``[pid0 * BS, + BS)`` below the rank's used rows x column block
-    ``pid1`` of ``BN`` (the dH tile width: the same score-partial blocks) of
-    local rank ``pid2``; the same arithmetic as the tile epilogue."""
+    """The SwiGLU backward (``_swiglu_grad``) as a streaming pass over the dH
+    tiles' G and the saved h1 | h3: slots ``[pid0 * BS, + BS)`` below the
+    rank's used rows x column block ``pid1`` of ``BN`` (the dH tile width: the
+    same score-partial blocks) of local rank ``pid2``."""
     local = tl.program_id(2)
     rank = rank_base + local
     used = used_slots(tables_ptr, local, rank, NUM_EXPERTS_LOCAL, NUM_EXPERTS)

@@ -4,25 +4,24 @@ Given the forward's inputs and the output gradient, on the same
 deterministic layout as the forward:
 
     route kernels (the forward's, on the backward workspace: the same slots)
-    -> dispatch_dh: dispatch [x | dOut] + dH tiles (G = dOut @ w2; recomputing
-       h1, h3 and the SwiGLU backward in the tile when h1 | h3 were not saved)
-    -> SwiGLU backward pass (saved h1 | h3 only): h, dh1, dh3 per slot and the
-       router-score partials <G, h> when scores come after the experts
+    -> dispatch_dh: dispatch [x | dOut] + dH tiles (G = dOut @ w2)
+    -> SwiGLU backward pass: h, dh1, dh3 per slot from G and the saved h1 | h3,
+       and the router-score partials <G, h> when scores come after the experts
     -> da_combine: dA = dh1 @ w1 + dh3 @ w3 sent back and combined over k
        (dx, router-score grads)
     -> wgrad (no communication): each slot's x and dOut rows in dense slot
-       order (copied by the dH tasks with saved h1 | h3 and
-       ``LayerParams.dh_copies_rows``, else by a gather launch), then per
+       order (copied by the dH tasks with ``LayerParams.dh_copies_rows``,
+       else by a gather launch), then per
        expert over all its rows: ``torch._grouped_mm`` on the GPU in bf16,
        the Triton kernel elsewhere (``LayerParams.wgrad_backend``)
 
 What is kept between forward and backward: the op's inputs (x, scores,
-indices, weights) and, when the forward was given ``saved_h13``, each slot's
-h1 and h3 (``slot_capacity x 2H`` in the activation dtype, as TorchTitan's
-autograd keeps them); without it, h1 and h3 are recomputed from x. x is
+indices, weights) and each slot's h1 and h3, which the forward wrote into the
+``saved_h13`` buffer (``slot_capacity x 2H`` in the activation dtype, as
+TorchTitan's autograd keeps them); the backward requires that buffer. x is
 dispatched again next to dOut (one ``2 * D`` row per token and destination
 rank) for dW1/dW3; h is rebuilt from h1 and h3. The router-score gradient
-``<dOut, y>`` needs no fc2 recompute (``= <dOut @ w2, h>``).
+``<dOut, y>`` needs no second fc2 (``= <dOut @ w2, h>``).
 
 ``schedule="sequential"`` launches every task kind separately (dispatch, dH
 tiles, SwiGLU pass, dA tiles, weight grads, reduce); ``"fused"`` runs dispatch
@@ -110,13 +109,13 @@ def moe_backward(
     Every rank of the group calls it in the same layer order (also with
     T = 0). Returns ``(dx, dscores, dw1, dw2, dw3)``, see the module docstring.
     ``params``: default the workspace's. ``error_check``: as ``moe_forward``.
-    ``saved_h13``: the buffer the forward filled (``moe_forward(saved_h13=...)``,
-    same routing): h1 and h3 are read from it instead of recomputed (two GEMMs
-    fewer; the gradients agree within rounding with the recomputing backward,
-    and are bitwise equal across schedules either way).
+    ``saved_h13`` (required): the ``(slot_capacity, 2 * H)`` buffer the
+    forward filled with each slot's h1 | h3 (``moe_forward(saved_h13=...)``,
+    same inputs and routing).
     """
     if workspace.is_simulated:
         raise ValueError("moe_backward needs a BackwardWorkspace.for_group; use simulated_moe_backward otherwise")
+    _require_saved(saved_h13, "moe_backward", "runtime.forward.moe_forward")
     ws = workspace.inner
     p = _backward_params(workspace, params)
     check_schedule(schedule)
@@ -124,13 +123,11 @@ def moe_backward(
     if check == "lazy":
         ws.poll_errors()
     check_layer_inputs(ws, workspace.dim, x, top_scores, indices, w1, w2, w3, grad_out)
+    check_saved_h13(ws, saved_h13)
     route(ws, indices.contiguous().unsqueeze(0), x.shape[0], p)
     u = lambda t: t.contiguous().unsqueeze(0)  # noqa: E731
     call = CallArrays(x=u(x), grad_out=u(grad_out), scores=u(top_scores.to(torch.float32)), w1=u(w1), w2=u(w2),
-                      w3=u(w3))
-    if saved_h13 is not None:
-        check_saved_h13(ws, saved_h13)
-        call.h13 = saved_h13.unsqueeze(0)
+                      w3=u(w3), h13=saved_h13.unsqueeze(0))
     grads = launch_backward(workspace, call, p, score_before_experts, PHASES[schedule])
     finish(ws, check)
     return tuple(g[0] for g in grads)
@@ -159,8 +156,10 @@ def simulated_moe_backward(
     stacked weights are read in place) plus ``grad_outs[r]`` ``(T_r, D)``,
     laid out as ``xs``. Returns one ``(dx, dscores, dw1, dw2, dw3)`` per rank.
     ``poison_outputs`` (tests): fill the outputs with NaN before the launches,
-    so an element no task writes shows up. ``saved_h13``:
-    ``(W, slot_capacity, 2 * H)`` from ``simulated_moe_forward(saved_h13=...)``."""
+    so an element no task writes shows up. ``saved_h13`` (required):
+    ``(W, slot_capacity, 2 * H)`` filled by ``simulated_moe_forward(saved_h13=...)``
+    on the same inputs."""
+    _require_saved(saved_h13, "simulated_moe_backward", "runtime.forward.simulated_moe_forward")
     x_list = rank_tensors(xs, len(xs))
     world = len(x_list)
     g_list = rank_tensors(grad_outs, world)
@@ -184,15 +183,13 @@ def simulated_moe_backward(
         ws.poll_errors()
     for r in range(world):
         check_layer_inputs(ws, workspace.dim, x_list[r], score_list[r], index_list[r], w1[r], w2[r], w3[r], g_list[r])
+    check_saved_h13(ws, saved_h13)
     route_world(ws, index_list, p)
     stacked = isinstance(xs, torch.Tensor) and isinstance(grad_outs, torch.Tensor)
     x = stack_ranks(xs if stacked else x_list, None, dtype)
     g = stack_ranks(grad_outs if stacked else g_list, x.shape[1], dtype)
     call = CallArrays(x=x, grad_out=g, scores=stack_ranks(score_list, ws.shape.token_capacity, torch.float32),
-                      w1=w1, w2=w2, w3=w3)
-    if saved_h13 is not None:
-        check_saved_h13(ws, saved_h13)
-        call.h13 = saved_h13
+                      w1=w1, w2=w2, w3=w3, h13=saved_h13)
     dx, ds, dw1, dw2, dw3 = launch_backward(workspace, call, p, score_before_experts, PHASES[schedule],
                                             poison=poison_outputs)
     finish(ws, check)
@@ -230,12 +227,12 @@ def wgrad_stages(ws, stages: int, stage_bytes: int) -> int:
     return stages
 
 
-def dh_max_registers(p: LayerParams, saved_h13: bool) -> int | None:
-    """Register cap of dispatch_dh: with saved h1 | h3 its dH tile is a plain
-    GEMM tile that fits ``dh_programs_per_sm`` programs of ``dh_num_warps``
-    warps per SM in 128 registers, which ptxas does not aim for by itself
-    (the dispatch loops and the slot-row copy take it past that)."""
-    if not saved_h13 or p.dh_programs_per_sm <= 1:
+def dh_max_registers(p: LayerParams) -> int | None:
+    """Register cap of dispatch_dh: its dH tile is a plain GEMM tile that fits
+    ``dh_programs_per_sm`` programs of ``dh_num_warps`` warps per SM in 128
+    registers, which ptxas does not aim for by itself (the dispatch loops and
+    the slot-row copy take it past that)."""
+    if p.dh_programs_per_sm <= 1:
         return None
     return 65536 // (32 * p.dh_num_warps * p.dh_programs_per_sm) // 8 * 8
 
@@ -248,6 +245,13 @@ def da_reduce_dim(p: LayerParams, score_before: bool) -> int:
 
 
 # ---- internals ------------------------------------------------------------
+
+
+def _require_saved(saved_h13: torch.Tensor | None, caller: str, forward: str) -> None:
+    """The backward reads h1 | h3 from the forward's buffer (it has no path that recomputes them)."""
+    if saved_h13 is None:
+        raise ValueError(f"{caller} needs saved_h13, each slot's h1 | h3 from the forward: run the forward "
+                         f"({forward}) with saved_h13=BUFFER on the same inputs and pass the same BUFFER here")
 
 
 def _backward_params(bws: BackwardWorkspace, params: LayerParams | None) -> LayerParams:
@@ -344,7 +348,7 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
             out.fill_(float("nan"))
     h = ws.h
     h13 = call.h13
-    g32 = bws.g32_buffer() if h13 is not None else h
+    g32 = bws.g32
     if p.debug_race:
         ws.start_race_report(p)
     shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
@@ -352,26 +356,23 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
                       BT=p.reduce_block_tokens, PRECISION=precision(ws), USE_TIMER=use_timer(ws),
                       RACE=p.debug_race, SLACK=p.debug_wait_slack)
 
-    # With saved h1 | h3 the dH tile is a plain GEMM tile (128 registers): two
-    # programs per SM let one's fp32 G stores overlap the other's K-loop.
-    # (Every program dispatches before it takes a tile, so programs that are
-    # not resident yet cannot hold up a waiting tile.)
-    grid_dh = (grid[0] * (programs_per_sm(ws, p.dh_programs_per_sm) if h13 is not None else 1),)
-    copy_rows = h13 is not None and p.dh_copies_rows
+    # The dH tile is a plain GEMM tile (128 registers): two programs per SM
+    # let one's fp32 G stores overlap the other's K-loop. (Every program
+    # dispatches before it takes a tile, so programs that are not resident
+    # yet cannot hold up a waiting tile.)
+    grid_dh = (grid[0] * programs_per_sm(ws, p.dh_programs_per_sm),)
+    copy_rows = p.dh_copies_rows
     dh_opts = dict(num_warps=p.dh_num_warps, num_stages=p.dh_num_stages)
-    cap = dh_max_registers(p, h13 is not None)
+    cap = dh_max_registers(p)
     if ws.device.type == "cuda" and cap is not None:
         dh_opts["maxnreg"] = cap
 
     def dispatch_dh(do_dispatch: int, do_tiles: int, dispatch_programs: int) -> None:
-        saved = h if h13 is None else h13
         dispatch_dh_kernel[grid_dh](
-            call.x, call.grad_out, call.x.stride(0), call.scores, ws.route_args, call.w1, call.w2, call.w3,
-            call.w1.stride(0), h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0), saved,
-            saved.stride(0), g32, bws.slot_rows, bws.slot_rows.stride(0), ws.control, ws.arena_args, ws.anchor_rank,
+            call.x, call.grad_out, call.x.stride(0), call.scores, ws.route_args, call.w2, call.w2.stride(0), g32,
+            g32.stride(0), bws.slot_rows, bws.slot_rows.stride(0), ws.control, ws.arena_args, ws.anchor_rank,
             ws.rank_base, do_dispatch, do_tiles, dispatch_programs, p.debug_silent_rank, timeout, int(p.local_first),
-            BM=p.block_m, BN=p.dh_block_n, BK=p.dh_block_k, BD=p.dispatch_block_dim,
-            TWO_PASS=p.dh_two_pass, SAVED_H13=h13 is not None, COPY_ROWS=copy_rows,
+            BM=p.block_m, BN=p.dh_block_n, BK=p.dh_block_k, BD=p.dispatch_block_dim, COPY_ROWS=copy_rows,
             BDC=min(64, triton.next_power_of_2(dim)), **{**shape_meta, "BT": p.dispatch_block_tokens}, **dh_opts,
         )
 
@@ -406,14 +407,13 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
         elif phase == "dh":
             dispatch_dh(0, 1, 0)
         elif phase == "swiglu":
-            if h13 is not None:  # else the dH tiles did it
-                block_s = 32
-                swiglu_backward_kernel[(triton.cdiv(s.slot_capacity, block_s), col_blocks_dh, ws.num_local_ranks)](
-                    g32, h13, h13.stride(0), h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0),
-                    ws.route_tables, ws.arena_args, ws.anchor_rank, ws.rank_base,
-                    HIDDEN=hidden, NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts,
-                    SCORE_BEFORE=score_before, BS=block_s, BN=p.dh_block_n, num_warps=4,
-                )
+            block_s = 32
+            swiglu_backward_kernel[(triton.cdiv(s.slot_capacity, block_s), col_blocks_dh, ws.num_local_ranks)](
+                g32, h13, h13.stride(0), h, bws.dh1, bws.dh3, h.stride(0), ds_parts, ds_parts.stride(0),
+                ws.route_tables, ws.arena_args, ws.anchor_rank, ws.rank_base,
+                HIDDEN=hidden, NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts,
+                SCORE_BEFORE=score_before, BS=block_s, BN=p.dh_block_n, num_warps=4,
+            )
         elif phase == "da+reduce":
             da_combine(1, 1)
         elif phase == "da":

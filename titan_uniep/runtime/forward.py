@@ -97,8 +97,8 @@ def moe_forward(
     lazy for ``"fused"``, sync for ``"sequential"``. ``saved_h13``: optional
     ``(slot_capacity, 2 * H)`` buffer that receives each slot's h1 and h3
     (rounded; rows of slots this call does not use are left alone), which
-    ``runtime.backward.moe_backward(saved_h13=...)`` then reads instead of
-    recomputing fc1.
+    the backward (``runtime.backward.moe_backward(saved_h13=...)``) requires;
+    a forward with no backward after it leaves it out.
     """
     if workspace.is_simulated:
         raise ValueError("moe_forward needs a Workspace.for_group workspace; use simulated_moe_forward otherwise")

@@ -556,15 +556,16 @@ class BackwardWorkspace:
     arrays hold the call's layout), plus local ``dh1``/``dh3`` ``(L, S, H)``
     next to its ``h``, the router-score partials ``ds_parts``
     ``(L, S, cdiv(H, dh))`` fp32 (``dh`` the dH tile width, ``LayerParams.dh_block_n``)
-    and ``slot_rows`` ``(L, 2, S, D)``: each slot's x and dOut rows in slot
-    order, the weight gradients' dense operands.
+    ``slot_rows`` ``(L, 2, S, D)``: each slot's x and dOut rows in slot
+    order, the weight gradients' dense operands, and ``g32`` ``(L, S, H)``
+    fp32: the dH tiles' ``G = dOut @ w2``, which the SwiGLU pass reads.
 
     Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
     element): symmetric ``2 * W * T * D * b`` (token rows) + ``2 * T * K * D * b``
     (returned) + small index/flag buffers; local ``3 * S * H * b`` +
-    ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + the route
-    arrays, and ``4 * S * H`` (``g32``, once a call had saved h1 | h3). Build
-    it before CUDA-graph capture; reuse it for every layer and step.
+    ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + ``4 * S * H``
+    (``g32``) + the route arrays. Build it before CUDA-graph capture; reuse
+    it for every layer and step.
     """
 
     def __init__(self, inner: Workspace, dim: int):
@@ -582,17 +583,7 @@ class BackwardWorkspace:
                                     device=inner.device)
         self.slot_rows = torch.empty(inner.num_local_ranks, 2, inner.shape.slot_capacity, self.dim,
                                      dtype=inner.shape.dtype, device=inner.device)
-        self.g32 = None  # (L, S, H) fp32, allocated by the first call with saved h1 | h3
-
-    def g32_buffer(self) -> torch.Tensor:
-        """G = dOut @ w2 per slot in fp32 (the dH tiles' output when h1 | h3 are
-        saved; ``swiglu_backward_kernel`` reads it). Allocated on first use."""
-        if self.g32 is None:
-            inner = self.inner
-            if inner.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("BackwardWorkspace: call once with saved h1 | h3 outside CUDA-graph capture first")
-            self.g32 = torch.empty(inner.h.shape, dtype=torch.float32, device=inner.device)
-        return self.g32
+        self.g32 = torch.empty(inner.h.shape, dtype=torch.float32, device=inner.device)
 
     def ds_parts_for(self, col_blocks: int) -> torch.Tensor:
         """The score-partial buffer for dH tiles of ``col_blocks`` column blocks
@@ -634,7 +625,7 @@ class BackwardWorkspace:
         sizes["dh1"] = sizes["dh3"] = sizes["h"]
         sizes["ds_parts"] = self.ds_parts[0].numel() * 4
         sizes["slot_rows"] = self.slot_rows[0].numel() * self.slot_rows.element_size()
-        sizes["g32"] = 0 if self.g32 is None else self.g32[0].numel() * 4
+        sizes["g32"] = self.g32[0].numel() * 4
         sizes["total"] += 2 * sizes["h"] + sizes["ds_parts"] + sizes["slot_rows"] + sizes["g32"]
         return sizes
 
@@ -656,8 +647,7 @@ class BackwardWorkspace:
         self.dh3.fill_(float("nan"))
         self.ds_parts.fill_(float("nan"))
         self.slot_rows.fill_(float("nan"))
-        if self.g32 is not None:
-            self.g32.fill_(float("nan"))
+        self.g32.fill_(float("nan"))
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a backward kernel of this rank timed out (syncs)."""

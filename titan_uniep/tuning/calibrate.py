@@ -47,7 +47,7 @@ Measurements are a JSON list of records (``measurement_record`` builds one):
      "params": {"dispatch_programs": 32},      # LayerParams fields over the shape's defaults
      "routing": "uniform",                      # or RoutingStats' arrays: tokens, expert_rows,
                                                 # send_rows, send_copies (lists)
-     "schedule": "fused", "saved_h13": true,
+     "schedule": "fused",
      "measured": {"forward": 1.52, "backward": 3.07,     # ms, the slowest rank
                   "forward.fc1": 0.77, ...}}             # optional stages (sequential launches)
 """
@@ -81,7 +81,7 @@ GROUPED_MM_ROWS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def measurement_record(shape: LayerShape, params: dict, measured: dict[str, float], *, schedule: str = "fused",
-                       saved_h13: bool = True, routing: RoutingStats | None = None) -> dict:
+                       routing: RoutingStats | None = None) -> dict:
     """One measurement for ``fit`` / ``check``: ``params`` are LayerParams
     fields over ``shape.default_params()``; ``measured`` in ms (``"forward"``,
     ``"backward"``, optional ``"forward.fc1"``-style stages); ``routing``
@@ -92,12 +92,18 @@ def measurement_record(shape: LayerShape, params: dict, measured: dict[str, floa
         route = {name: np.asarray(getattr(routing, name)).tolist()
                  for name in ("tokens", "expert_rows", "send_rows", "send_copies")}
     return dict(shape=dataclasses.asdict(shape), params=dict(params), routing=route, schedule=schedule,
-                saved_h13=saved_h13, measured=dict(measured))
+                measured=dict(measured))
 
 
 def _record_inputs(record: dict):
+    # Records written before the recomputing backward was removed say "saved_h13" (true: the backward
+    # that remains) and may carry its dh_two_pass field, which the saved-h1 | h3 backward never read.
+    if not record.get("saved_h13", True):
+        raise ValueError(f"a measurement record of the recomputing backward (saved_h13 false), which was removed: "
+                         f"drop it from the measurements ({record.get('shape')})")
     shape = LayerShape(**record["shape"])
-    params = shape.default_params().replace(**record.get("params", {}))
+    params = shape.default_params().replace(**{k: v for k, v in record.get("params", {}).items()
+                                               if k != "dh_two_pass"})
     routing = record.get("routing", "uniform")
     if routing == "uniform":
         stats = RoutingStats.uniform(shape.tokens, shape.num_experts, shape.top_k, shape.ep_size)
@@ -110,8 +116,7 @@ def _record_inputs(record: dict):
 def record_prediction(record: dict, hw: HardwareConstants) -> dict[str, float]:
     """The model's figures for the keys a record measured (ms)."""
     shape, params, stats = _record_inputs(record)
-    pred = predict(shape, stats, shape.ep_size, params, hw, schedule=record.get("schedule", "fused"),
-                   saved_h13=record.get("saved_h13", True))
+    pred = predict(shape, stats, shape.ep_size, params, hw, schedule=record.get("schedule", "fused"))
     out = {"forward": pred.forward_total, "backward": pred.backward_total}
     out.update({f"forward.{s}": v for s, v in pred.forward.items()})
     out.update({f"backward.{s}": v for s, v in pred.backward.items()})

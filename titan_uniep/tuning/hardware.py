@@ -24,8 +24,8 @@ __all__ = ["HardwareConstants", "default_constants", "load_constants", "save_con
 
 def tile_key(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int = 1) -> str:
     """The key of one GEMM tile configuration in ``HardwareConstants.gemm_efficiency``:
-    ``kernel`` one of ``fc1``, ``fc2``, ``dh``, ``dh_recompute``, ``da``, ``wgrad_w13``,
-    ``wgrad_w2``, with ``_one`` appended for fc1's one-dot tile (``fc1_one_dot``) and
+    ``kernel`` one of ``fc1``, ``fc2``, ``dh``, ``da``, ``wgrad_w13``, ``wgrad_w2``,
+    with ``_one`` appended for fc1's one-dot tile (``fc1_one_dot``) and
     ``_tma`` for descriptor loads (``fc2_tma``, ``da_tma``);
     ``bn`` counts every accumulator's columns (fc1: 2 x ``fc1_block_n``)."""
     return f"{kernel}:{bm}x{bn}x{bk}:w{warps}:s{stages}:p{per_sm}"
@@ -66,7 +66,6 @@ class HardwareConstants:
     grouped_mm_efficiency: float  # torch._grouped_mm on the weight gradients, fraction of peak (no rows table)
     roofline_p: float  # a launch's compute and memory times t_c, t_m overlap as (t_c^p + t_m^p)^(1/p)
     tma_speedup: float  # descriptor operand loads against pointer loads, for tiles not calibrated with them
-    one_pass_dh_efficiency: float  # the recomputing dH tile in one K-loop (three accumulators) against two
     combine_overlap: float  # fraction of the staged / presum combine hidden behind fc2 tiles (fused)
     reduce_tail: float  # fraction of a reduce launch left after the GEMM tiles (fused)
     gemm_efficiency: dict[str, float] = field(default_factory=dict)
@@ -146,7 +145,7 @@ def default_constants(gpu_name: str = "NVIDIA H200") -> HardwareConstants:
         max_registers_per_thread=255, max_threads_per_sm=2048, peak_tflops=989.0, hbm_gbps=4000.0,
         nvlink_gbps=360.0, copy_gbps_per_program=40.0, launch_us=4.0, exchange_us=40.0, release_us=2.0,
         tile_fixed_us=2.0, dispatch_overlap=0.5, grouped_mm_efficiency=0.64, roofline_p=1.6, tma_speedup=1.0,
-        one_pass_dh_efficiency=0.9, combine_overlap=0.5, reduce_tail=0.5,
+        combine_overlap=0.5, reduce_tail=0.5,
     )
 
 
@@ -154,12 +153,25 @@ def save_constants(hw: HardwareConstants, path: str | Path) -> None:
     Path(path).write_text(json.dumps(dataclasses.asdict(hw), indent=2, sort_keys=True) + "\n")
 
 
+# Constants of code that is gone, which files saved before its removal still hold: dropped on load.
+# (the recomputing backward: its one-pass dH efficiency and its dH tiles' keys in gemm_efficiency)
+_RETIRED_FIELDS = ("one_pass_dh_efficiency",)
+_RETIRED_TILE_KERNELS = ("dh_recompute",)
+
+
 def load_constants(path: str | Path) -> HardwareConstants:
     """Constants stored by ``save_constants`` (the calibration's output);
     fields it lacks take the uncalibrated defaults of its GPU name (a file
     from before ``grouped_mm_efficiency_by_rows``: an empty table, so its
-    one ``grouped_mm_efficiency`` as before)."""
+    one ``grouped_mm_efficiency`` as before); the constants of removed code
+    paths that older files hold (``_RETIRED_FIELDS``, ``gemm_efficiency``
+    keys of ``_RETIRED_TILE_KERNELS``) are dropped."""
     data = json.loads(Path(path).read_text())
+    for name in _RETIRED_FIELDS:
+        data.pop(name, None)
+    if isinstance(data.get("gemm_efficiency"), dict):
+        data["gemm_efficiency"] = {key: eff for key, eff in data["gemm_efficiency"].items()
+                                   if key.split(":", 1)[0] not in _RETIRED_TILE_KERNELS}
     names = {f.name for f in dataclasses.fields(HardwareConstants)}
     unknown = set(data) - names
     if unknown:

@@ -18,11 +18,11 @@ exchange's barrier, a release that waits for remote stores). Stages:
 - forward: ``exchange`` (route kernels and counts exchange), ``dispatch``,
   ``fc1``, ``fc2``, ``combine`` (the staged combine's sends, the presum
   tasks; the direct combine is fc2's stores), ``reduce``;
-- backward: ``exchange``, ``dispatch`` (``[x | dOut]`` rows), ``dh`` (G,
-  with h1 | h3 recomputed when not saved), ``swiglu`` (saved h1 | h3 only),
-  ``gather`` (slot rows, when the dH tasks do not copy them), ``da``,
-  ``reduce``, ``wgrad`` (torch._grouped_mm: each expert at the efficiency
-  of its rows, ``HardwareConstants.grouped_mm_efficiency_by_rows``).
+- backward: ``exchange``, ``dispatch`` (``[x | dOut]`` rows), ``dh`` (G),
+  ``swiglu`` (from G and the saved h1 | h3), ``gather`` (slot rows, when
+  the dH tasks do not copy them), ``da``, ``reduce``, ``wgrad``
+  (torch._grouped_mm: each expert at the efficiency of its rows,
+  ``HardwareConstants.grouped_mm_efficiency_by_rows``).
 
 The fused schedule overlaps stages inside a launch: dispatch with fc1 (or
 dH) as far as the programs that do not dispatch find tiles whose rows have
@@ -261,14 +261,13 @@ class _Batch:
 
 
 def predict(shape: LayerShape, stats: RoutingStats, ep_size: int, params: LayerParams, hw: HardwareConstants,
-            *, schedule: str = "fused", saved_h13: bool = True) -> Prediction:
+            *, schedule: str = "fused") -> Prediction:
     """The model's prediction of one point (``rank`` of one)."""
-    return Prediction(_model(shape, stats, ep_size, [params], hw, schedule=schedule, saved_h13=saved_h13), 0)
+    return Prediction(_model(shape, stats, ep_size, [params], hw, schedule=schedule), 0)
 
 
 def rank(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Iterable[LayerParams],
-         hw: HardwareConstants, *, schedule: str = "fused", saved_h13: bool = True,
-         objective: str = "total") -> "Ranking":
+         hw: HardwareConstants, *, schedule: str = "fused", objective: str = "total") -> "Ranking":
     """``points`` with their predictions, fastest first by ``objective``
     (``"total"``: forward + backward, ``"forward"`` or ``"backward"``), as a
     ``Ranking`` (a sequence of ``(params, Prediction)``); ties keep the input
@@ -278,7 +277,7 @@ def rank(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Iterable[
         return []
     if objective not in ("total", "forward", "backward"):
         raise ValueError(f"objective must be 'total', 'forward' or 'backward', got {objective!r}")
-    batch = _model(shape, stats, ep_size, points, hw, schedule=schedule, saved_h13=saved_h13)
+    batch = _model(shape, stats, ep_size, points, hw, schedule=schedule)
     score = {"total": batch.forward_total + batch.backward_total, "forward": batch.forward_total,
              "backward": batch.backward_total}[objective]
     return Ranking(points, batch, np.argsort(score, kind="stable"))
@@ -325,7 +324,7 @@ def _expert_tiles(stats: RoutingStats, el: int, block_m: np.ndarray, group_m: np
 
 
 def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequence[LayerParams],
-           hw: HardwareConstants, *, schedule: str, saved_h13: bool) -> _Batch:
+           hw: HardwareConstants, *, schedule: str) -> _Batch:
     """Every stage's time in seconds for every point (arrays ``(N,)``)."""
     if schedule not in ("fused", "sequential"):
         raise ValueError(f"schedule must be 'fused' or 'sequential', got {schedule!r}")
@@ -378,7 +377,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         return np.maximum(link_t[None, :], moved[None, :] / rate) + tasks / programs[:, None] * 2 * hw.release_us * us
 
     def gemm(kernel, n_total, k_total, mats, bn, bk, warps, stages, per_sm, a_row_bytes, out_elem_bytes,
-             extra_tile_s=0.0, extra_bytes=0.0, eff_scale=1.0, tma=False, variant=None) -> np.ndarray:
+             extra_tile_s=0.0, extra_bytes=0.0, tma=False, variant=None) -> np.ndarray:
         """``(N, W)``: the GEMM tiles of one launch, ``mats`` weight matrices of
         ``k_total x n_total`` per expert (one accumulator each). Compute: tiles in
         waves over ``grid * per_sm`` programs, ``ceil(k_total / bk)`` MMA steps each
@@ -386,8 +385,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         second program per SM hides; memory: the experts' weights once per
         row-tile group, the rows, the outputs (and ``extra_bytes``). ``variant``:
         (suffix, mask) of another code path of the kernel (``_efficiency``)."""
-        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm, tma,
-                          variant) * eff_scale
+        eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm, tma, variant)
         col_blocks = np.ceil(n_total / bn)[:, None]
         flops = 2 * bm * bn[:, None] * k_total * mats
         t_mma = flops / (peak_sm * eff[:, None])
@@ -454,23 +452,17 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bdisp_all = copy_rows(2 * d * b, grid)
     bwd["dispatch"] = slowest(bdisp_all) + launch
     bounds["backward.dispatch"] = "[x | dOut] rows: " + bounds["forward.dispatch"]
-    copies = saved_h13 & c["dh_copies_rows"]
+    copies = c["dh_copies_rows"]
     h_blocks = np.ceil(h / c["dh_block_n"])[:, None]
     copy_tile_s = np.where(copies[:, None], bm * 2 * d * b / h_blocks / per_prog, 0.0)
-    if saved_h13:
-        dh = gemm("dh", h, d, 1, c["dh_block_n"], c["dh_block_k"], c["dh_num_warps"], c["dh_num_stages"],
-                  c["dh_programs_per_sm"], d * b, 4, extra_tile_s=copy_tile_s,
-                  extra_bytes=np.where(copies[:, None], rows_rank[None, :] * 2 * d * b, 0.0))
-        bounds["backward.dh"] = "GEMM G = dOut w2 (fp32 out)"
-    else:  # h1 | h3 again from x (two accumulators), then G: three GEMMs per tile
-        dh = gemm("dh_recompute", h, d, 3, c["dh_block_n"], c["dh_block_k"], c["dh_num_warps"],
-                  c["dh_num_stages"], np.ones(n), 2 * d * b, b,
-                  eff_scale=np.where(c["dh_two_pass"], 1.0, hw.one_pass_dh_efficiency))
-        bounds["backward.dh"] = "GEMM: h1 | h3 recomputed, then G"
+    dh = gemm("dh", h, d, 1, c["dh_block_n"], c["dh_block_k"], c["dh_num_warps"], c["dh_num_stages"],
+              c["dh_programs_per_sm"], d * b, 4, extra_tile_s=copy_tile_s,
+              extra_bytes=np.where(copies[:, None], rows_rank[None, :] * 2 * d * b, 0.0))
+    bounds["backward.dh"] = "GEMM G = dOut w2 (fp32 out)"
     bwd["dh"] = slowest(dh) + launch
     swiglu_bytes = rows_rank.max() * h * (4 + 2 * b + 3 * b)
-    bwd["swiglu"] = np.full(n, swiglu_bytes / hbm + launch) if saved_h13 else zero
-    bounds["backward.swiglu"] = "HBM: G, h1 | h3 in; h, dh1, dh3 out" if saved_h13 else "(in the dH tiles)"
+    bwd["swiglu"] = np.full(n, swiglu_bytes / hbm + launch)
+    bounds["backward.swiglu"] = "HBM: G, h1 | h3 in; h, dh1, dh3 out"
     bwd["gather"] = np.where(copies, 0.0, rows_rank.max() * 2 * d * b * 2 / hbm + launch)
     bounds["backward.gather"] = "HBM (none when the dH tasks copy the slot rows)"
     da_remote = bm * c["da_block_n"][:, None] * b * remote_share[None, :]

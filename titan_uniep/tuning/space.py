@@ -25,12 +25,6 @@ Kinds (``FIELDS[name].kind``):
   with scores before the experts and sums ``<x, dA>`` per step);
 - ``"fixed"``: waits and testing hooks, never searched.
 
-Besides ``LayerParams``, one choice of the layer is numerics too: the
-recomputing backward (``saved_h13=None`` to ``runtime.backward``), which on
-an H200 changes the router-score gradient (scores after the experts: its
-partials are summed in the dH tile's layout instead of the SwiGLU pass's);
-``LAYER_CHOICES`` lists it, the model predicts both.
-
 Evidence for each kind: ``scripts/check_schedule_bits.py`` varies one field
 at a time on tiny shapes (interpreter, fp32; or bf16 on a GPU) and reports
 which outputs change; ``tests/test_tuning_space.py`` samples random schedule
@@ -41,8 +35,7 @@ chains do not). What the interpreter cannot show: a ``tl.sum`` on a GPU adds
 in the order of its blocked layout, which follows the tile shape and the
 warps, so the fields that shape the layouts of the kernels' in-tile sums
 (``block_m``, ``da_num_warps``, ``reduce_block_tokens`` with scores before
-the experts, ``dh_num_warps`` in the recomputing backward) are schedule
-fields by the interpreter's evidence until ``scripts/tuning_gpu.sh`` (STEP
+the experts) are schedule fields by the interpreter's evidence until ``scripts/tuning_gpu.sh`` (STEP
 bits1) confirms them in bf16 on a GPU; the GPU tests so far confirm
 descriptor loads, ``dh_copies_rows``, ``local_first``, ``fc1_one_dot``
 (scores after the experts: bf16 check and golden digests; with scores
@@ -70,7 +63,6 @@ from .hardware import HardwareConstants, default_constants
 
 __all__ = [
     "FIELDS",
-    "LAYER_CHOICES",
     "Field",
     "LayerShape",
     "enumerate_points",
@@ -177,7 +169,6 @@ FIELDS: dict[str, Field] = {
     # ---- dH ----
     "dh_block_n": Field("numerics", _TILES, "dh"),
     "dh_block_k": Field("numerics", _K_STEPS, "dh"),
-    "dh_two_pass": Field("schedule", _BOOL, "dh"),
     "dh_num_warps": Field("schedule", _WARPS, "dh"),
     "dh_num_stages": Field("schedule", _STAGES, "dh"),
     "dh_programs_per_sm": Field("schedule", (1, 2), "dh"),
@@ -211,13 +202,6 @@ FIELDS: dict[str, Field] = {
     "debug_race": Field("fixed", (False,), "all"),
     "debug_race_keep": Field("fixed", (0.9,), "all"),
     "debug_race_seed": Field("fixed", (0,), "all"),
-}
-
-LAYER_CHOICES: dict[str, Field] = {
-    # The forward saves each slot's h1 | h3 for the backward (the op always
-    # does); False: the backward recomputes them (runtime.backward with
-    # saved_h13=None): two GEMMs more, S * 2H elements less kept per layer.
-    "saved_h13": Field("numerics", (True, False), "dh"),
 }
 
 _missing = {f.name for f in dataclasses.fields(LayerParams)} ^ set(FIELDS)
@@ -277,7 +261,7 @@ REGISTER_OVERHEAD = 96
 REGISTER_FLOOR = 32
 
 
-def resources(params: LayerParams, shape: LayerShape, *, saved_h13: bool = True) -> dict[str, Program]:
+def resources(params: LayerParams, shape: LayerShape) -> dict[str, Program]:
     """Per kernel (``dispatch_fc1``, ``fc2_combine``, ``dispatch_dh``,
     ``da_combine``, ``wgrad_w13``, ``wgrad_w2``): shared memory, accumulator
     registers and programs per SM of one program at ``params``."""
@@ -300,18 +284,11 @@ def resources(params: LayerParams, shape: LayerShape, *, saved_h13: bool = True)
                               acc(1, bm, p.da_block_n, p.da_num_warps), 32 * p.da_num_warps,
                               p.da_programs_per_sm, p.da_max_registers),
     }
-    # saved: G only; two-pass: h1, h3 (then G next to their rounded copies); one pass: all three
-    dh_acc_tiles = 1 if saved_h13 else (2 if p.dh_two_pass else 3)
-    if saved_h13:
-        dh_smem = ring(p.dh_num_stages, bm * p.dh_block_k, p.dh_block_k * p.dh_block_n)
-    elif p.dh_two_pass:  # h1 | h3 loop (x rows, w1, w3), then the G loop (dOut rows, w2)
-        dh_smem = ring(p.dh_num_stages, bm * p.dh_block_k, 2 * p.dh_block_k * p.dh_block_n)
-    else:  # one loop over x and dOut rows, w1, w3, w2
-        dh_smem = ring(p.dh_num_stages, 2 * bm * p.dh_block_k, 3 * p.dh_block_k * p.dh_block_n)
-    dh_per_sm = p.dh_programs_per_sm if saved_h13 else 1
-    dh_cap = 65536 // (32 * p.dh_num_warps * dh_per_sm) // 8 * 8 if saved_h13 and dh_per_sm > 1 else None
-    progs["dispatch_dh"] = Program(dh_smem, acc(dh_acc_tiles, bm, p.dh_block_n, p.dh_num_warps),
-                                   32 * p.dh_num_warps, dh_per_sm, dh_cap)
+    # the dH tile: G = dOut @ w2 (dOut rows, w2), one accumulator; the register cap of runtime.backward
+    dh_per_sm = p.dh_programs_per_sm
+    dh_cap = 65536 // (32 * p.dh_num_warps * dh_per_sm) // 8 * 8 if dh_per_sm > 1 else None
+    progs["dispatch_dh"] = Program(ring(p.dh_num_stages, bm * p.dh_block_k, p.dh_block_k * p.dh_block_n),
+                                   acc(1, bm, p.dh_block_n, p.dh_num_warps), 32 * p.dh_num_warps, dh_per_sm, dh_cap)
     w = p
     progs["wgrad_w13"] = Program(
         ring(w.wgrad_w13_num_stages, 2 * w.wgrad_w13_block_k * w.wgrad_w13_block_m,
@@ -323,8 +300,7 @@ def resources(params: LayerParams, shape: LayerShape, *, saved_h13: bool = True)
     return progs
 
 
-def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | None = None,
-             *, saved_h13: bool = True) -> str | None:
+def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | None = None) -> str | None:
     """None if ``params`` can run ``shape`` on ``hw``, else the reason (the
     first constraint broken, naming the fields). ``hw`` None: no GPU limits
     (the CPU interpreter). Checked: the field constraints of ``LayerParams``
@@ -334,10 +310,9 @@ def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | Non
     programs fit one SM: shared memory plus the per-block reserve within
     ``hw.smem_per_sm`` together (``hw.smem_per_block`` for one), fp32 accumulators plus
     ``REGISTER_FLOOR`` within the register cap (or 255), registers times
-    threads within ``hw.registers_per_sm``. Kernels a backward with
-    ``saved_h13`` does not run (the recomputing dH tile, the Triton weight
-    gradients where ``torch._grouped_mm`` runs) are checked too: a point
-    holds for both backward paths."""
+    threads within ``hw.registers_per_sm``. The Triton weight gradients are
+    checked also where ``torch._grouped_mm`` runs instead: a point holds for
+    both backends."""
     p = params
     if p.combine == "presum" and p.reduce_block_tokens > p.block_m:
         return (f"reduce_block_tokens ({p.reduce_block_tokens}) must be <= block_m ({p.block_m}) with "
@@ -354,11 +329,10 @@ def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | Non
     if p.combine == "staged" and p.combine_send_programs >= grid * p.fc2_programs_per_sm:
         return (f"combine_send_programs ({p.combine_send_programs}) must be below the fc2_combine grid "
                 f"({grid} x fc2_programs_per_sm {p.fc2_programs_per_sm})")
-    for saved in (True, False):
-        for kernel, prog in resources(p, shape, saved_h13=saved).items():
-            reason = _kernel_misfit(prog, hw)
-            if reason:
-                return f"{kernel}{'' if saved else ' (recomputing backward)'}: {reason}"
+    for kernel, prog in resources(p, shape).items():
+        reason = _kernel_misfit(prog, hw)
+        if reason:
+            return f"{kernel}: {reason}"
     return None
 
 
@@ -477,8 +451,8 @@ GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("fc2_block_n", "fc2_num_warps", "fc2_num_stages", "fc2_programs_per_sm", "fc2_tma", "fc2_defer_release"): (
         (256, 8, 3, 1, False, False), (256, 8, 3, 1, True, False), (256, 8, 3, 1, False, True),
         (128, 4, 3, 2, False, False), (128, 4, 3, 2, True, False), (128, 8, 3, 1, False, False)),
-    ("dh_two_pass", "dh_num_warps", "dh_num_stages", "dh_programs_per_sm", "dh_copies_rows"): (
-        (True, 8, 3, 2, True), (True, 8, 3, 1, True), (True, 8, 3, 2, False), (False, 8, 3, 1, True)),
+    ("dh_num_warps", "dh_num_stages", "dh_programs_per_sm", "dh_copies_rows"): (
+        (8, 3, 2, True), (8, 3, 1, True), (8, 3, 2, False)),
     ("da_block_n", "da_num_warps", "da_num_stages", "da_programs_per_sm", "da_tma", "da_defer_release"): (
         (128, 8, 3, 1, True, False), (128, 8, 3, 1, False, False), (128, 4, 3, 2, True, False),
         (128, 4, 3, 2, False, False), (128, 8, 3, 1, True, True), (64, 4, 3, 2, True, False)),
@@ -498,11 +472,8 @@ _AXIS_KERNELS = {"fc1": ("dispatch_fc1",), "fc2": ("fc2_combine",), "dh": ("disp
 
 
 def _fits(point: LayerParams, shape: LayerShape, hw: HardwareConstants, kernels: tuple[str, ...]) -> bool:
-    for saved in (True, False):
-        progs = resources(point, shape, saved_h13=saved)
-        if any(_kernel_misfit(progs[k], hw) for k in kernels):
-            return False
-    return True
+    progs = resources(point, shape)
+    return not any(_kernel_misfit(progs[k], hw) for k in kernels)
 
 
 def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | None = None,
