@@ -143,6 +143,18 @@ def test_random_schedule_points_give_the_default_points_bits(world, score_before
     assert not differ, f"{where}: bits differ in {differ}"
 
 
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+def test_one_product_fc1_tile_gives_the_two_product_tiles_bits(score_before):
+    """``fc1_one_dot`` (interleaved w1 | w3 columns in one product, the GPU
+    default) on a masked column block (H = 24 at 32-wide tiles), the fused
+    schedule: every output and gradient equal to the two-product default's."""
+    point = BASE.replace(fc1_one_dot=True)
+    assert keeps_bits(point, BASE) is None
+    ref, got = reference(2, score_before), run_point(2, point, score_before, "fused")
+    differ = [name for name in ref if not torch.equal(got[name], ref[name])]
+    assert not differ, f"fc1_one_dot: bits differ in {differ}"
+
+
 def float64_reference(world: int, score_before: bool) -> dict[str, torch.Tensor]:
     """Forward outputs and every gradient by float64 autograd of the oracle."""
     i = world_inputs(world)
