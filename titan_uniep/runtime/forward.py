@@ -241,7 +241,8 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             ws.h, ws.h.stride(0), h13, h13.stride(0), ws.control, ws.arena_args, ws.anchor_rank, ws.rank_base,
             do_dispatch, do_fc1, dispatch_programs, p.debug_silent_rank, timeout, int(p.local_first),
             BM=p.block_m, BN=p.fc1_block_n, BK=p.fc1_block_k, BT=p.dispatch_block_tokens, BD=p.dispatch_block_dim,
-            SAVE_H13=call.h13 is not None, ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps, num_stages=p.fc1_num_stages, **shape_meta,
+            SAVE_H13=call.h13 is not None, ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps,
+            num_stages=p.fc1_num_stages, **shape_meta,
         )
 
     grid_b = (grid[0] * programs_per_sm(ws, p.fc2_programs_per_sm),)
