@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU runs of the tuning space and model (issue 13), from a clean clone, on H200s.
+# GPU runs of the tuning space and model, from a clean clone, on H200s.
 #   STEP=constants bash scripts/tuning_gpu.sh    # one GPU, about 3 min cold: out/tuning/h200.json
 #   STEP=bits1 / STEP=bits2 bash scripts/tuning_gpu.sh  # one GPU, < 10 min each: which fields keep the bits in bf16
 #   STEP=constants_x2 bash scripts/tuning_gpu.sh # two GPUs: adds NVLink and the counts exchange

@@ -10,7 +10,8 @@ copy), the best predicted forward + backward time
 over the search grid (``tuning.space.enumerate_points``; with
 ``numerics=True`` for the paths that change bits) with the path on and with
 it off, and the model's verdict. A path the model never picks on any shape
-is a candidate for removal once the GPU measurements agree (issue 13, item 2).
+is a candidate for removal once the measured search agrees (docs/design.md,
+"What the searches picked").
 """
 
 from __future__ import annotations

@@ -156,6 +156,7 @@ def assert_correct(w, sequential, fused, *, score_before):
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
+    (1, 6, 4, [13]),  # EP = 1: the tiles read x and dOut in place
     (2, 8, 3, [13, 9]),
     (4, 8, 3, [7, 11, 5, 9]),
     (8, 16, 4, [5, 0, 9, 3, 7, 2, 6, 4]),  # EP = 8 (one 8-GPU node), a rank with no tokens
@@ -226,19 +227,22 @@ def test_backward_needs_the_h1_h3_saved_by_the_forward():
 
 
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before):
+@pytest.mark.parametrize("num_tokens", [[13, 10], [13]], ids=["world2", "world1"])
+def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(num_tokens, score_before):
     """``LayerParams.dh_copies_rows``: dispatch_dh's dH tasks write the weight
     gradients' dense slot rows (a column chunk each) instead of the gather
     launch. Every gradient equals the gather path's bit for bit in both
     schedules (poisoned workspace: a chunk no task copies would show up as NaN
-    in dW1 / dW2 / dW3); skewed routing with empty experts, odd T."""
-    w = make_world(2, 8, 3, [13, 10], seed=83, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
+    in dW1 / dW2 / dW3); skewed routing with empty experts, odd T; at EP = 1
+    both read x and dOut in place."""
+    world = len(num_tokens)
+    w = make_world(world, 8, 3, num_tokens, seed=83, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
     cfg = interpreter_params()
     saved = saved_h13_of_forward(w, cfg, score_before=score_before)
     # the other tests' stand-in for the forward's buffer: the same slots (NaN where unused), the same values
     torch.testing.assert_close(saved_h13_reference(w, score_before=score_before), saved, rtol=1e-5, atol=1e-6,
                                equal_nan=True)
-    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
+    ws = BackwardWorkspace.simulated(world, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                                      dtype=torch.float32, params=cfg)
     outs = {}
     for copied in (False, True):
@@ -250,7 +254,7 @@ def test_backward_slot_rows_copied_by_dh_tasks_change_no_bits(score_before):
                 poison_outputs=True, saved_h13=saved)
     assert_correct(w, outs[True, "sequential"], outs[True, "fused"], score_before=score_before)
     for schedule in ("sequential", "fused"):
-        for r in range(2):
+        for r in range(world):
             for name, a, b in zip(NAMES, outs[False, schedule][r], outs[True, schedule][r]):
                 assert torch.equal(a, b), f"{schedule} rank {r} {name}: the copy by the dH tasks changed a value"
 

@@ -5,7 +5,7 @@ ships ptxas): the whole pipeline runs here for the backward's default
 parameters (``params.default_params`` of each shape, every field as
 ``runtime.backward`` launches it), and the checks are those a GPU-less
 machine can make: every GEMM loop (dH, dA, and the Triton weight-gradient
-kernel's dW1/dW3 and dW2) is software-pipelined (async copies or
+kernel's dW1/dW3 and dW2; dispatch_dh at EP 2 and EP 1) is software-pipelined (async copies or
 tensor-descriptor loads into shared memory) and uses wgmma, ptxas' register
 spills stay small, shared memory fits an H200 SM, and each kernel fits as
 many programs per SM as it is launched with. Runs in a subprocess:
@@ -33,7 +33,7 @@ def compile_all() -> None:
     from sm90_compile import arena_types, loops, programs_per_sm, ptxas_usage, route_types
     from titan_uniep.kernels.da_combine import da_combine_kernel
     from titan_uniep.kernels.dispatch_dh import dispatch_dh_kernel, swiglu_backward_kernel
-    from titan_uniep.kernels.wgrad import wgrad_kernel
+    from titan_uniep.kernels.wgrad import gather_slot_rows_kernel, wgrad_kernel
     from titan_uniep.params import default_params
     from titan_uniep.runtime.backward import da_reduce_dim, dh_max_registers
 
@@ -56,6 +56,7 @@ def compile_all() -> None:
     da = dict(**packed, dh1_ptr=bf, dh3_ptr=bf, w1_ptr=bf, w3_ptr=bf, ds_parts_ptr=f32, scores_ptr=f32, x_ptr=bf,
               dx_ptr=bf, ds_ptr=f32, control_ptr=i64)
     wg = dict(a1_ptr=bf, a2_ptr=bf, b_ptr=bf, tables_ptr=i32, out1_ptr=bf, out2_ptr=bf)
+    gs = dict(arena=arena_types(bf), out_ptr=bf, tables_ptr=i32, x_ptr=bf, g_ptr=bf)
     sw = dict(arena=arena_types(bf), g32_ptr=f32, h13_ptr=bf, h_ptr=bf, dh1_ptr=bf, dh3_ptr=bf, ds_parts_ptr=f32,
               tables_ptr=i32)
     for score_before in (False, True):
@@ -68,12 +69,13 @@ def compile_all() -> None:
             what = f"D={dim} H={hidden} scores {'before' if score_before else 'after'}"
             # The dH tile (G = dOut @ w2); its tasks may also copy the weight
             # gradients' slot rows (dh_copies_rows).
-            for copy in (False, True):
+            # (WORLD 1: the tiles gather x and dOut in place, scoreboard.token_rows_of)
+            for copy, world in ((False, 2), (True, 2), (True, 1)):
                 kernel = sm90_compile.build(dispatch_dh_kernel, dh, dict(
-                    NUM_LOCAL=1, WORLD=2, BN=p.dh_block_n, BK=p.dh_block_k, BT=p.dispatch_block_tokens,
+                    NUM_LOCAL=1, WORLD=world, BN=p.dh_block_n, BK=p.dh_block_k, BT=p.dispatch_block_tokens,
                     BD=p.dispatch_block_dim, COPY_ROWS=copy, BDC=min(64, triton.next_power_of_2(dim)), **shape),
                     num_warps=p.dh_num_warps, num_stages=p.dh_num_stages, max_registers=dh_max_registers(p))
-                name = f"dispatch_dh (dispatch + dH{', copies rows' if copy else ''}) {what}"
+                name = f"dispatch_dh (dispatch + dH{', copies rows' if copy else ''}, EP {world}) {what}"
                 check(kernel, name, 1, even)
                 fit = programs_per_sm(kernel, p.dh_num_warps)
                 assert fit >= p.dh_programs_per_sm, f"{name}: {fit} programs fit an SM, launched " \
@@ -100,6 +102,14 @@ def compile_all() -> None:
             assert spills == 0, f"SwiGLU backward pass {what}: ptxas spills {spills} bytes"
             if score_before:
                 continue
+            # The gather of the weight gradients' slot rows (when the dH tasks do not copy them).
+            for world in (1, 2):
+                kernel = sm90_compile.build(gather_slot_rows_kernel, gs, dict(
+                    WORLD=world, DIM=dim, TOP_K=8, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, SCORE_BEFORE=False, BS=16,
+                    BD=min(512, triton.next_power_of_2(dim))), num_warps=4, num_stages=1)
+                regs, spills = ptxas_usage(kernel.asm["ptx"])
+                print(f"slot-row gather EP {world} {what}: {regs} registers, {spills} B spilled")
+                assert spills == 0, f"slot-row gather EP {world} {what}: ptxas spills {spills} bytes"
             # The Triton weight-gradient kernel (the GPU's fallback where torch._grouped_mm
             # does not run), with tensor descriptors as runtime.backward launches it for bf16.
             for kind, (m, n), two in (("w13", (hidden, dim), True), ("w2", (dim, hidden), False)):

@@ -118,6 +118,7 @@ def rank_view(ws, r, local_buffers):
 @pytest.mark.parametrize("combine", ["direct", "staged", "presum"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
+    (1, 6, 4, [13]),  # EP = 1: the tiles read x in place, no token rows in the arena
     (2, 8, 3, [13, 9]),
     (4, 8, 3, [7, 11, 5, 9]),
     (8, 16, 4, [5, 0, 9, 3, 7, 2, 6, 4]),  # EP = 8 (one 8-GPU node), a rank with no tokens
@@ -266,6 +267,9 @@ def test_memory_report_follows_the_documented_formula():
     assert presum["partials"] == 4 * 8192 * 2 * 2048
     assert sizes["token_slots"] == sizes["token_tiles"] == sizes["partials"] == 0
     assert presum["arena"] == sizes["arena"] - 3 * 256 + presum["partials"] + 2 * presum["token_slots"]
+    # One rank: the tiles read x in place, the arena holds no token rows.
+    alone = memory_bytes(WorkspaceShape(**{**shape.__dict__, "world_size": 1}))
+    assert alone["tokens"] == 0 and alone["arena"] < sizes["arena"] - sizes["tokens"]
 
 
 @pytest.mark.parametrize("combine,local_first", [("staged", False), ("presum", False), ("staged", True)])

@@ -34,8 +34,9 @@ def compile_all() -> None:
         for dim, hidden, even in ((2048, 768, True), (96, 80, False)):
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
                          USE_TIMER=True, GROUP_M=8, BK=64, BT=16, BM=128)
-            for presum, save_h13 in ((False, False), (True, False), (False, True)):
-                ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=2, BN=128, BD=512, KP=8,
+            # (WORLD 1: the tiles gather x in place, scoreboard.token_rows_of)
+            for presum, save_h13, world in ((False, False, 2), (True, False, 2), (False, True, 2), (False, True, 1)):
+                ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=world, BN=128, BD=512, KP=8,
                                                                 PRESUM=presum, SAVE_H13=save_h13, **shape))
                 assert "warp_group_dot" in ttgir, "fc1 does not use wgmma"
                 if even:

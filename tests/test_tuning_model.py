@@ -22,6 +22,7 @@ import torch
 from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
 from titan_uniep.params import DEFAULTS, LayerParams, default_params
 from titan_uniep.tuning import calibrate
+from titan_uniep.tuning.hardware import tile_key
 from titan_uniep.tuning.model import (
     BACKWARD_STAGES,
     FORWARD_STAGES,
@@ -195,6 +196,37 @@ def test_more_ranks_send_more_and_dispatch_longer():
     assert sent[0] < sent[1] < sent[2] and dispatch[0] < dispatch[1] < dispatch[2], (sent, dispatch)
     shape, stats = layer("qwen3", 1)
     assert stats.dedup_bytes(shape.dim, 2).sum() == 0
+
+
+def test_one_rank_dispatch_copies_no_rows():
+    """At EP = 1 the tiles read x in place (``scoreboard.token_rows_of``): the
+    dispatch costs the same whatever D is, and the D-wide ``[x | dOut]`` rows
+    of the backward cost no more than the forward's x rows; with peers both
+    grow with D."""
+    times = {}
+    for world in (1, 2):
+        for dim in (2048, 7168):
+            shape, stats = layer("qwen3", world)
+            shape = dataclasses.replace(shape, dim=dim)
+            pred = predict(shape, stats, world, shape.default_params(), H200)
+            times[world, dim] = (pred.forward["dispatch"], pred.backward["dispatch"])
+    assert times[1, 2048] == times[1, 7168] and times[1, 2048][0] == times[1, 2048][1], times
+    assert times[2, 7168][0] > 2 * times[2, 2048][0] and times[2, 2048][1] > 1.5 * times[2, 2048][0], times
+
+
+def test_fc1_one_product_tile_is_priced_only_where_it_runs():
+    """``fc1_one_dot`` runs with scores after the experts only
+    (``runtime.forward``): with scores before, the model prices the
+    two-product tile whatever the field says."""
+    shape, stats = layer("qwen3")
+    one, two = shape.default_params(), shape.default_params().replace(fc1_one_dot=False)
+    assert one.fc1_one_dot
+    tile = (one.block_m, 2 * one.fc1_block_n, one.fc1_block_k, one.fc1_num_warps, one.fc1_num_stages, 1)
+    hw = dataclasses.replace(H200, gemm_efficiency={tile_key("fc1", *tile): 0.6, tile_key("fc1_one", *tile): 0.9})
+    fc1 = lambda s, p: predict(s, stats, 2, p, hw).forward["fc1"]  # noqa: E731
+    assert fc1(shape, one) < 0.8 * fc1(shape, two)
+    before = dataclasses.replace(shape, score_before_experts=True)
+    assert fc1(before, one) == fc1(before, two) == fc1(shape, two)
 
 
 def test_skewed_routing_is_slower_than_balanced():

@@ -116,7 +116,8 @@ def layer_shape(layer: MoELayer, ep_size: int):
     from .tuning.space import LayerShape
 
     return LayerShape(tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden, num_experts=layer.num_experts,
-                      top_k=layer.top_k, ep_size=ep_size, dtype_bytes=torch.empty((), dtype=layer.dtype).element_size())
+                      top_k=layer.top_k, ep_size=ep_size, dtype_bytes=torch.empty((), dtype=layer.dtype).element_size(),
+                      score_before_experts=layer.score_before_experts)
 
 
 def routing_stats(indices: torch.Tensor, num_experts: int, group: dist.ProcessGroup):

@@ -11,7 +11,8 @@ Index arrays (``L`` local ranks, stacked as in the forward):
 - ``route`` (``scoreboard.Route``), written by the forward's route kernels run
   on the backward workspace (the same slots as the forward);
 - source side: ``x``/``grad_out`` ``(L, T, D)``, ``scores`` ``(L, T_cap, K)``;
-- arena (every rank): ``tokens`` ``(W * T_cap, 2D)`` (``[x | dOut]`` rows),
+- arena (every rank): ``tokens`` ``(W * T_cap, 2D)`` (``[x | dOut]`` rows;
+  empty with one rank, where the tiles read x and dOut in place),
   ``slot_copy``/``slot_score`` ``(S,)``, ``tile_arrivals`` ``(C,)``;
 - local: ``h``, ``dh1``, ``dh3`` ``(L, S, H)``; ``ds_parts`` ``(L, S, NHB)``
   fp32, one router-score partial per slot and dH column block; ``g32``
@@ -55,6 +56,7 @@ from .scoreboard import (
     dispatch_tasks,
     gemm_tile_task,
     max_over_ranks,
+    token_rows_of,
 )
 from .wgrad import copy_slot_rows
 
@@ -98,12 +100,13 @@ def _swiglu_grad(acc_dh, gate_lp, up_lp, score, offs_m, mask_m, offs_n, mask_n, 
 
 @triton.jit
 def grad_hidden_tile(
-    tokens, slot_copy, w2, g32, m0, m1, col_block, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    dy_rows, slot_copy, w2, g32, m0, m1, col_block, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    ROW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``G = dOut @ w2`` in fp32 (``g32`` ``(S, H)``) at slots ``m0..m1``,
     columns ``col_block * BN + [0, BN)`` of one expert (``w2``: its (D, H)):
-    the dOut rows are the second half of the dispatched ``[x | dOut]`` rows.
+    token row ``r``'s dOut at ``dy_rows + r * ROW`` (``token_rows_of``: the
+    second half of the dispatched ``[x | dOut]`` rows, or dOut in place).
     The K-loop over D has a compile-time trip count and advancing pointers
     (software-pipelined: the gathered rows and the w2 tiles are async
     copies). ``swiglu_backward_kernel`` then does the rest with the saved
@@ -118,7 +121,7 @@ def grad_hidden_tile(
     offs_k = tl.arange(0, BK)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     token_row = (copy_id // TOP_K).to(tl.int64)
-    dy_ptrs = tokens + token_row[:, None] * (2 * DIM) + DIM + offs_k[None, :]
+    dy_ptrs = dy_rows + token_row[:, None] * ROW + offs_k[None, :]
     b2_ptrs = w2 + offs_k[:, None].to(tl.int64) * HIDDEN + offs_n[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(DIM, BK)):
@@ -171,6 +174,7 @@ def dispatch_dh_kernel(
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
+    ROW: tl.constexpr = 2 * DIM if WORLD > 1 else DIM  # token_rows_of's stride
     if do_dispatch != 0:
         dispatch_tasks(control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base,
                        silent_rank, num_dispatch_programs, local_first, NUM_LOCAL, WORLD, DIM, TOP_K, BT, BD, KP, 2,
@@ -186,11 +190,13 @@ def dispatch_dh_kernel(
                 NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK)
             if ready:
                 weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
+                x_rows, dy_rows = token_rows_of(arena, anchor_rank, rank, local, x_ptr, g_ptr, x_rank_stride, WORLD,
+                                                DIM)
                 grad_hidden_tile(
-                    arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens),
+                    dy_rows,
                     arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy),
                     w2_ptr + weights, g32_ptr + local.to(tl.int64) * g32_rank_stride,
-                    m0, m1, col_block, DIM, HIDDEN, TOP_K, BM, BN, BK, PRECISION,
+                    m0, m1, col_block, DIM, HIDDEN, TOP_K, ROW, BM, BN, BK, PRECISION,
                 )
                 if COPY_ROWS:
                     # The weight gradients' dense slot rows (what gather_slot_rows_kernel
@@ -203,11 +209,11 @@ def dispatch_dh_kernel(
                     offs_s = m0 + tl.arange(0, BM)
                     d_lo = col_block * CHUNK
                     copy_slot_rows(
-                        arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens),
+                        x_rows, dy_rows,
                         arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy),
                         arena_ptr(arena.f32, arena, anchor_rank, rank, arena.slot_score),
                         xs, xs + capacity * DIM, offs_s, offs_s < m1, d_lo, tl.minimum(d_lo + CHUNK, DIM),
-                        DIM, TOP_K, SCORE_BEFORE, BDC,
+                        DIM, TOP_K, ROW, SCORE_BEFORE, BDC,
                     )
             task = claim_task(control_ptr, _CTL_DH_TASKS)
 

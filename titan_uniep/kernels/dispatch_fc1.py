@@ -11,7 +11,8 @@ world, where every per-rank array is stacked on a leading rank dimension):
 - ``scores`` ``(L, T_cap, K)`` fp32;
 - in every rank's arena (``scoreboard.Arena``): ``tokens`` ``(W * T_cap, D)``,
   the de-duplicated token rows (source ``s``'s token ``t`` at row
-  ``s * T_cap + t``, ``layout.token_row``); ``slot_copy`` ``(S,) int32``, for
+  ``s * T_cap + t``, ``layout.token_row``; empty with one rank, where the
+  tiles read x in place); ``slot_copy`` ``(S,) int32``, for
   each receive slot the copy id ``(s * T_cap + t) * K + k`` it holds (its
   token row is ``copy // K``); ``slot_score`` ``(S,) fp32``;
   ``tile_arrivals`` ``(C,) int32``, slots of each tile that have arrived.
@@ -26,7 +27,8 @@ Tasks, claimed from atomic counters by a persistent grid:
    stay on its rank).
 2. fc1 (tile of one local expert x ``fc1_block_n`` columns of h): wait
    (acquire, bounded) until all the tile's slots arrived
-   (``tile_arrivals[tile] == rows``), gather their token rows, scale them by
+   (``tile_arrivals[tile] == rows``), gather their token rows (with one rank,
+   from x itself: ``scoreboard.token_rows_of``), scale them by
    the router score when scores come before the experts (TorchTitan:
    ``(x.float() * score).to(x.dtype)``), compute
    ``h = silu(x @ w1^T) * (x @ w3^T)`` with TorchTitan's rounding steps, and
@@ -49,6 +51,7 @@ from .scoreboard import (
     dispatch_tasks,
     gemm_tile_task,
     max_over_ranks,
+    token_rows_of,
 )
 
 _CTL_TILE_TASKS = tl.constexpr(CTL_TILE_TASKS)
@@ -226,8 +229,9 @@ def dispatch_fc1_kernel(
                 NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK)
             if ready:
                 expert_offset = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
+                x_rows, _ = token_rows_of(arena, anchor_rank, rank, local, x_ptr, x_ptr, x_rank_stride, WORLD, DIM)
                 fc1_tile(
-                    arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens),
+                    x_rows,
                     arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy),
                     arena_ptr(arena.f32, arena, anchor_rank, rank, arena.slot_score),
                     w1_ptr + expert_offset,

@@ -411,6 +411,27 @@ def max_over_ranks(values_ptr, NUM_LOCAL: tl.constexpr):
 
 
 @triton.jit
+def token_rows_of(arena, anchor_rank, rank, local, x_ptr, g_ptr, x_rank_stride, WORLD: tl.constexpr,
+                  DIM: tl.constexpr):
+    """Where the GEMM tiles of ``rank`` gather token row ``r = copy // K``
+    from: ``(x rows, dOut rows)``, row ``r`` at ``+ r * stride``. With peers,
+    the dispatched rows in the rank's arena (``tokens``: stride ``2 * DIM``,
+    rows ``[x | dOut]``, in the backward; ``DIM``, x alone, in the forward).
+    With one rank (``WORLD`` 1) every copy is the rank's own: the tiles read
+    ``x_ptr`` / ``g_ptr`` of local rank ``local`` in place (stride ``DIM``;
+    row ``rank * T_cap + t`` is their row ``t``), so the dispatch copies no
+    row and the arena holds none."""
+    tokens = arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens)
+    x_rows = tokens
+    g_rows = tokens + DIM
+    if WORLD == 1:
+        shift = local.to(tl.int64) * x_rank_stride - rank.to(tl.int64) * arena.token_capacity * DIM
+        x_rows = x_ptr + shift
+        g_rows = g_ptr + shift
+    return x_rows, g_rows
+
+
+@triton.jit
 def dispatch_part(dest, rank, part):
     """Which copies a dispatch task handles: all (``part`` 0), those that stay
     on ``rank`` itself (1) or those that go to other ranks (2)."""
@@ -429,7 +450,8 @@ def dispatch_task(
     """``BT`` tokens of one source rank, for the destinations ``part`` selects
     (``dispatch_part``): each token's row (``ROW_PARTS`` = 1: its x row;
     2: ``[x | dOut]``, ``g_ptr`` the dOut rows) stored once at
-    ``tokens[source * T_cap + t]`` of every rank owning one of its experts;
+    ``tokens[source * T_cap + t]`` of every rank owning one of its experts
+    (with one rank, ``WORLD`` 1, no row is copied: see ``token_rows_of``);
     each copy's slot entries (``slot_copy``, ``slot_score``) at its slot
     there; then one release arrival per copy on its tile. ``PRESUM``: also the
     per-token slot and tile of each copy for the presum combine. ``RACE``:
@@ -449,21 +471,22 @@ def dispatch_task(
         dest = tl.load(route.dest_rank + copies, mask=every_copy, other=-1)
         token_rows = rank.to(tl.int64) * arena.token_capacity + offs_t
         src = local.to(tl.int64) * x_rank_stride + offs_t[:, None].to(tl.int64) * DIM
-        for d0 in range(0, DIM, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            mask_d = offs_d < DIM
-            mask = mask_t[:, None] & mask_d[None, :]
-            x_rows = tl.load(x_ptr + src + offs_d[None, :], mask=mask)
-            if ROW_PARTS == 2:
-                g_rows = tl.load(g_ptr + src + offs_d[None, :], mask=mask)
-            for peer in range(WORLD):
-                goes_there = (tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0) & dispatch_part(peer, rank, part)
-                tokens = arena_ptr(arena.act, arena, anchor_rank, peer, arena.tokens)
-                dst = tokens + token_rows[:, None] * ROW + offs_d[None, :]
-                there = goes_there[:, None] & mask_d[None, :]
-                tl.store(dst, x_rows, mask=there)
+        if WORLD > 1:  # one rank: the GEMM tiles read x (and dOut) in place (``token_rows_of``)
+            for d0 in range(0, DIM, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                mask_d = offs_d < DIM
+                mask = mask_t[:, None] & mask_d[None, :]
+                x_rows = tl.load(x_ptr + src + offs_d[None, :], mask=mask)
                 if ROW_PARTS == 2:
-                    tl.store(dst + DIM, g_rows, mask=there)
+                    g_rows = tl.load(g_ptr + src + offs_d[None, :], mask=mask)
+                for peer in range(WORLD):
+                    goes_there = (tl.max(tl.where(dest == peer, 1, 0), axis=1) > 0) & dispatch_part(peer, rank, part)
+                    tokens = arena_ptr(arena.act, arena, anchor_rank, peer, arena.tokens)
+                    dst = tokens + token_rows[:, None] * ROW + offs_d[None, :]
+                    there = goes_there[:, None] & mask_d[None, :]
+                    tl.store(dst, x_rows, mask=there)
+                    if ROW_PARTS == 2:
+                        tl.store(dst + DIM, g_rows, mask=there)
         mine = every_copy & dispatch_part(dest, rank, part)
         copy_id = token_rows[:, None] * TOP_K + offs_k[None, :]
         if RACE:

@@ -7,7 +7,8 @@ as their own launches with their own tiles, identically in both schedules
 
 1. ``gather_slot_rows_kernel``: each used slot's x row (times the slot's score,
    rounded, when scores come before the experts: the forward's fc1 operand)
-   and dOut row, copied from the de-duplicated token rows into dense
+   and dOut row, copied from the de-duplicated token rows (x and dOut in
+   place with one rank) into dense
    ``(S, D)`` arrays in slot order, so an expert's rows are one contiguous
    range ``[lo_e, lo_e + rows_e)`` of every operand.
 2. Per expert, ``dW1 = dh1^T xs``, ``dW3 = dh3^T xs`` ``(H, D)`` and
@@ -29,19 +30,23 @@ import triton
 import triton.language as tl
 
 from .route import local_expert_rows, used_slots
-from .scoreboard import arena_ptr
+from .scoreboard import arena_ptr, token_rows_of
 
 
 @triton.jit
-def copy_slot_rows(tokens, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo, d_hi, DIM: tl.constexpr,
-                   TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BD: tl.constexpr):
+def copy_slot_rows(x_rows, dy_rows, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo, d_hi, DIM: tl.constexpr,
+                   TOP_K: tl.constexpr, ROW: tl.constexpr, SCORE_BEFORE: tl.constexpr, BD: tl.constexpr):
     """Columns ``[d_lo, d_hi)`` of slots ``offs_s``' x rows (times the slot's
     score, rounded, when scores come before the experts: the forward's fc1
-    operand) and dOut rows, from the de-duplicated ``[x | dOut]`` token rows
-    into ``xs``/``dys`` ``(S, D)`` in slot order. Used by the gather kernel
-    below and by dispatch_dh's dH tasks (``LayerParams.dh_copies_rows``)."""
+    operand) and dOut rows, from the token rows (``scoreboard.token_rows_of``:
+    the de-duplicated ``[x | dOut]`` rows, or x and dOut in place; ``ROW``
+    elements apart) into ``xs``/``dys`` ``(S, D)`` in slot order. Used by the
+    gather kernel below and by dispatch_dh's dH tasks
+    (``LayerParams.dh_copies_rows``)."""
     copy = tl.load(slot_copy + offs_s, mask=mask_s, other=0, cache_modifier=".cg")
-    rows = tokens + (copy // TOP_K).to(tl.int64)[:, None] * (2 * DIM)
+    token = (copy // TOP_K).to(tl.int64)[:, None] * ROW
+    rows = x_rows + token
+    g_rows = dy_rows + token
     if SCORE_BEFORE:
         score = tl.load(slot_score + offs_s, mask=mask_s, other=0.0, cache_modifier=".cg")
     at = offs_s.to(tl.int64)[:, None] * DIM
@@ -53,7 +58,7 @@ def copy_slot_rows(tokens, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo,
         if SCORE_BEFORE:
             x = (x.to(tl.float32) * score[:, None]).to(x.dtype)
         tl.store(xs + at + offs_d[None, :], x, mask=mask)
-        g = tl.load(rows + DIM + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        g = tl.load(g_rows + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(dys + at + offs_d[None, :], g, mask=mask)
         d0 += BD
 
@@ -62,9 +67,13 @@ def copy_slot_rows(tokens, slot_copy, slot_score, xs, dys, offs_s, mask_s, d_lo,
 def gather_slot_rows_kernel(
     out_ptr,  # (L, 2, S, D): [xs, dys]
     tables_ptr,  # (L, ROUTE_TABLE_ROWS, E) int32
+    x_ptr,  # (L, T, D) the forward's input (read in place with one rank)
+    g_ptr,  # (L, T, D) the output gradient (likewise)
+    x_rank_stride,
     arena,  # scoreboard.Arena (tokens: (W * T_cap, 2D) [x | dOut] token rows)
     anchor_rank,
     rank_base,
+    WORLD: tl.constexpr,
     DIM: tl.constexpr,
     TOP_K: tl.constexpr,
     NUM_EXPERTS_LOCAL: tl.constexpr,
@@ -83,11 +92,13 @@ def gather_slot_rows_kernel(
         offs_s = s0 + tl.arange(0, BS)
         capacity = local.to(tl.int64) * 0 + arena.slot_capacity  # int64 from here: S * D may pass 2**31
         xs = out_ptr + local * 2 * capacity * DIM
+        x_rows, dy_rows = token_rows_of(arena, anchor_rank, rank, local, x_ptr, g_ptr, x_rank_stride, WORLD, DIM)
+        ROW: tl.constexpr = 2 * DIM if WORLD > 1 else DIM
         copy_slot_rows(
-            arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens),
+            x_rows, dy_rows,
             arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy),
             arena_ptr(arena.f32, arena, anchor_rank, rank, arena.slot_score),
-            xs, xs + capacity * DIM, offs_s, offs_s < used, 0, DIM, DIM, TOP_K, SCORE_BEFORE, BD,
+            xs, xs + capacity * DIM, offs_s, offs_s < used, 0, DIM, DIM, TOP_K, ROW, SCORE_BEFORE, BD,
         )
 
 

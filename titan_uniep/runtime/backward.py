@@ -259,15 +259,15 @@ def _backward_params(bws: BackwardWorkspace, params: LayerParams | None) -> Laye
     return call_params(bws.inner, params).replace(combine="direct")
 
 
-def _gather_slot_rows(bws: BackwardWorkspace, score_before: bool) -> None:
+def _gather_slot_rows(bws: BackwardWorkspace, call: CallArrays, score_before: bool) -> None:
     """Each used slot's x (times the score, scores before the experts) and
     dOut rows, dense in slot order (``bws.slot_rows``)."""
     ws = bws.inner
     s = ws.shape
     block_s = 16
     gather_slot_rows_kernel[(triton.cdiv(s.slot_capacity, block_s), ws.num_local_ranks)](
-        bws.slot_rows, ws.route_tables, ws.arena_args, ws.anchor_rank, ws.rank_base, DIM=bws.dim, TOP_K=s.top_k,
-        NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts, SCORE_BEFORE=score_before, BS=block_s,
+        bws.slot_rows, ws.route_tables, call.x, call.grad_out, call.x.stride(0), ws.arena_args, ws.anchor_rank,
+        ws.rank_base, WORLD=s.world_size, DIM=bws.dim, TOP_K=s.top_k, NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts, SCORE_BEFORE=score_before, BS=block_s,
         BD=min(512, triton.next_power_of_2(bws.dim)), num_warps=4,
     )
 
@@ -282,7 +282,7 @@ def _weight_grads(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, scor
     dim, hidden, num_local, el = bws.dim, s.hidden, ws.num_local_ranks, s.num_local_experts
     rows = bws.slot_rows
     if not rows_copied:
-        _gather_slot_rows(bws, score_before)
+        _gather_slot_rows(bws, call, score_before)
     xs, dys = rows[:, 0], rows[:, 1]
     h, dh1, dh3 = ws.h, bws.dh1, bws.dh3
     if wgrad_backend(p.wgrad_backend, s.dtype, ws.device, el) == "grouped_mm":

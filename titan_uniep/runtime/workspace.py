@@ -13,7 +13,8 @@ capacity ``S = W * T * min(K, El)`` and tile capacity
 =================  =================  =====================================
 buffer             bytes              written by
 =================  =================  =====================================
-tokens             W * T * D * b      dispatch (de-duplicated token rows)
+tokens             W * T * D * b      dispatch (de-duplicated token rows;
+                                      0 at W = 1: the tiles read x in place)
 slot_copy          4 * S              dispatch (slot -> copy id)
 slot_score         4 * S              dispatch (router score of the slot)
 tile_arrivals      4 * C              dispatch (release), fc1 waits
@@ -159,7 +160,7 @@ class WorkspaceShape:
         w, t, d, k, e, b = self.world_size, self.token_capacity, self.dim, self.top_k, self.num_experts, self.elem_size
         s, c = self.slot_capacity, self.tile_capacity
         return {
-            "tokens": w * t * d * b,
+            "tokens": w * t * d * b if w > 1 else 0,  # one rank: x read in place (scoreboard.token_rows_of)
             "slot_copy": 4 * s,
             "slot_score": 4 * s,
             "tile_arrivals": 4 * c,
@@ -386,7 +387,9 @@ class Workspace:
         is written shows up). Counters and flags are left alone."""
         s = self.shape
         for local in range(self.num_local_ranks):
-            self.arena_view(local, "tokens", s.dtype, (s.world_size * s.token_capacity, s.dim)).fill_(float("nan"))
+            if s.world_size > 1:
+                self.arena_view(local, "tokens", s.dtype, (s.world_size * s.token_capacity, s.dim)).fill_(
+                    float("nan"))
             self.arena_view(local, "returned", s.dtype, (s.token_capacity * s.top_k, s.dim)).fill_(float("nan"))
             self.arena_view(local, "slot_score", torch.float32, (s.slot_capacity,)).fill_(float("nan"))
             if s.presum_combine:
@@ -561,7 +564,7 @@ class BackwardWorkspace:
     fp32: the dH tiles' ``G = dOut @ w2``, which the SwiGLU pass reads.
 
     Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
-    element): symmetric ``2 * W * T * D * b`` (token rows) + ``2 * T * K * D * b``
+    element): symmetric ``2 * W * T * D * b`` (token rows; none at W = 1) + ``2 * T * K * D * b``
     (returned) + small index/flag buffers; local ``3 * S * H * b`` +
     ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + ``4 * S * H``
     (``g32``) + the route arrays. Build it before CUDA-graph capture; reuse

@@ -20,8 +20,9 @@ replaces what it measures:
   one-rank world (every expert local, balanced routing), the sequential
   schedule, each launch's device time from the profiler (fc1, fc2, dH, dA;
   ``tile_key`` per configuration). The ``grouped_mm`` weight gradients give
-  ``grouped_mm_efficiency``; the dispatch launch with 8 programs gives
-  ``copy_gbps_per_program``;
+  ``grouped_mm_efficiency``; the dispatch launch of a simulated two-rank
+  world with 8 programs gives ``copy_gbps_per_program`` (a one-rank
+  dispatch copies no rows: its tiles read x in place);
 - ``grouped_mm_efficiency_by_rows``: the weight gradients' three
   torch._grouped_mm calls (the runtime's operands and layout) at
   ``GROUPED_MM_ROWS`` rows per expert for the (D, H) of every
@@ -367,14 +368,20 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
                 hw.grouped_mm_efficiency = round(_solve_efficiency(wgrad, wgrad_ms), 4)
                 log(f"grouped_mm weight gradients: {wgrad:.3f} ms -> efficiency {hw.grouped_mm_efficiency:.3f}")
             if dispatch:
+                # Two simulated ranks routing alike (the same experts split over them):
+                # every de-duplicated row a rank sends, its own included, is one copy.
                 few = params.replace(num_programs=8, combine_send_programs=1)
-                ws_few = Workspace.simulated(1, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
+                ws_few = Workspace.simulated(2, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
                                              top_k=top_k, dtype=dtype, device=dev, params=few)
+                x2 = x.expand(2, -1, -1).contiguous()
+                w1_2, w2_2, w3_2 = (w.reshape(2, num_experts // 2, *w.shape[2:]) for w in (w1, w2, w3))
                 slow = _named(_kernel_times(lambda: simulated_moe_forward(
-                    x, [scores], [indices], w1, w2, w3, schedule="sequential", score_before_experts=False,
-                    params=few, workspace=ws_few, error_check="lazy")), "dispatch_fc1")[0]
-                hw.copy_gbps_per_program = tokens * dim * 2 / (slow * 1e-3) / 8 / 1e9
-                log(f"dispatch with 8 programs: {slow:.3f} ms -> {hw.copy_gbps_per_program:.1f} GB/s per program")
+                    x2, [scores, scores], [indices, indices], w1_2, w2_2, w3_2, schedule="sequential",
+                    score_before_experts=False, params=few, workspace=ws_few, error_check="lazy")), "dispatch_fc1")[0]
+                rows = RoutingStats.from_indices([indices.cpu().numpy()] * 2, num_experts, 2).send_rows.sum()
+                hw.copy_gbps_per_program = float(rows) * dim * 2 / (slow * 1e-3) / 8 / 1e9
+                log(f"dispatch of {rows:.0f} rows with 8 programs: {slow:.3f} ms -> "
+                    f"{hw.copy_gbps_per_program:.1f} GB/s per program")
         measured.append("tiles")
         torch.cuda.empty_cache()
 

@@ -369,8 +369,10 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     def copy_rows(row_bytes: float, programs: np.ndarray, own: bool = True) -> np.ndarray:
         """``(N, W)``: a dispatch's row copies by ``programs`` programs: de-duplicated
         rows over NVLink (out of and into each rank), own rows (``own``) through
-        HBM, at most the programs' copy rate; plus the per-task claim and release."""
-        moved = (rows_out + (rows_own if own else 0)) * row_bytes
+        HBM (none with one rank: the tiles read x in place), each copy's slot
+        entries, at most the programs' copy rate; plus the per-task claim and
+        release."""
+        moved = (rows_out + (rows_own if own and w > 1 else 0)) * row_bytes + tokens * k * 8
         link_t = np.maximum(rows_out, rows_in) * row_bytes / link if w > 1 else np.zeros(w)
         rate = np.minimum(programs * per_prog, hbm / 2)[:, None]
         tasks = np.ceil(tokens[None, :] / c["dispatch_block_tokens"][:, None])
@@ -412,9 +414,10 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     disp_all = copy_rows(d * b, grid)
     fwd["dispatch"] = slowest(disp_all) + launch
     bounds["forward.dispatch"] = (f"NVLink: {rows_out.max() * d * b / 1e6:.1f} MB out of the busiest rank"
-                                  if w > 1 else "HBM: own rows only")
+                                  if w > 1 else "slot entries only (x read in place)")
     fc1 = gemm("fc1", h, d, 2, c["fc1_block_n"], c["fc1_block_k"], c["fc1_num_warps"], c["fc1_num_stages"],
-               np.ones(n), d * b, b * 1.5, variant=("_one", c["fc1_one_dot"]))  # h plus the saved h1 | h3 (three outputs over two accumulators)
+               np.ones(n), d * b, b * 1.5,  # h plus the saved h1 | h3 (three outputs over two accumulators)
+               variant=("_one", c["fc1_one_dot"] & (not shape.score_before_experts)))  # as runtime.forward runs it
     fwd["fc1"] = slowest(fc1) + launch
     bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
     staged, presum = c["combine"] == "staged", c["combine"] == "presum"
@@ -451,7 +454,8 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bounds["backward.exchange"] = bounds["forward.exchange"]
     bdisp_all = copy_rows(2 * d * b, grid)
     bwd["dispatch"] = slowest(bdisp_all) + launch
-    bounds["backward.dispatch"] = "[x | dOut] rows: " + bounds["forward.dispatch"]
+    bounds["backward.dispatch"] = ("[x | dOut] rows: " + bounds["forward.dispatch"] if w > 1
+                                   else "slot entries only (x, dOut read in place)")
     copies = c["dh_copies_rows"]
     h_blocks = np.ceil(h / c["dh_block_n"])[:, None]
     copy_tile_s = np.where(copies[:, None], bm * 2 * d * b / h_blocks / per_prog, 0.0)

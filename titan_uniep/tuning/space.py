@@ -83,7 +83,9 @@ class LayerShape:
     """One MoE layer as the tuner sees it: ``tokens`` per rank and call,
     ``dim`` D, expert ``hidden`` H, ``num_experts`` E (all ranks), ``top_k``
     K, EP size ``ep_size`` W, ``dtype_bytes`` per activation element (2 for
-    bf16 / fp16, 4 for fp32)."""
+    bf16 / fp16, 4 for fp32), ``score_before_experts`` (the router score
+    scales the expert input: fc1 then runs its two-product tile whatever
+    ``fc1_one_dot`` says)."""
 
     tokens: int
     dim: int
@@ -92,6 +94,7 @@ class LayerShape:
     top_k: int
     ep_size: int
     dtype_bytes: int = 2
+    score_before_experts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden", "num_experts", "top_k", "ep_size"):
