@@ -23,6 +23,8 @@ from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
 from titan_uniep.params import interpreter_params
 from titan_uniep.runtime import BackwardWorkspace, simulated_moe_backward
 
+import worlds
+
 if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
 if not isinstance(tl.standard.cdiv, InterpretedFunction):
@@ -33,25 +35,9 @@ NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
 
 
 def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, force=None):
-    gen = torch.Generator().manual_seed(seed)
-    el = num_experts // world
-    w1 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
-    w3 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
-    w2 = torch.randn(num_experts, DIM, HIDDEN, generator=gen) / HIDDEN**0.5
-    allowed = torch.arange(num_experts) if allowed is None else torch.tensor(allowed)
-    xs, scores, indices, grads = [], [], [], []
-    for t in num_tokens:
-        xs.append(torch.randn(t, DIM, generator=gen))
-        grads.append(torch.randn(t, DIM, generator=gen))
-        scores.append(torch.rand(t, top_k, generator=gen))
-        picked = allowed[torch.rand(t, len(allowed), generator=gen).argsort(1)][:, :top_k]
-        if force is not None:
-            lacks = (picked != force).all(1)
-            picked[lacks, -1] = force
-        indices.append(picked.contiguous())
-    local = lambda w: [w[r * el:(r + 1) * el].contiguous() for r in range(world)]  # noqa: E731
-    return dict(xs=xs, grads=grads, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3,
-                w1s=local(w1), w2s=local(w2), w3s=local(w3), el=el)
+    """Random inputs of a simulated world (``worlds.make_world`` at this file's dims, fp32)."""
+    return worlds.make_world(world, num_experts, top_k, num_tokens, seed=seed, dim=DIM, hidden=HIDDEN,
+                             allowed=allowed, force=force)
 
 
 def run_both(w, *, score_before, params=None, workspace=None, saved=None):

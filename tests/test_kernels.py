@@ -20,6 +20,8 @@ from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
 from titan_uniep.params import interpreter_params
 from titan_uniep.runtime import Workspace, WorkspaceShape, exchange_bytes, memory_bytes, simulated_moe_forward
 
+import worlds
+
 if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
 if not isinstance(tl.standard.cdiv, InterpretedFunction):
@@ -32,53 +34,15 @@ DIM, HIDDEN = 32, 48  # HIDDEN not a multiple of the 16-column tiles' 32: masked
 
 
 def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, force=None):
-    """Random inputs of a simulated world. ``allowed``: experts a token may
-    pick; ``force``: an expert every token picks (skewed routing)."""
-    gen = torch.Generator().manual_seed(seed)
-    el = num_experts // world
-    w1 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
-    w3 = torch.randn(num_experts, HIDDEN, DIM, generator=gen) / DIM**0.5
-    w2 = torch.randn(num_experts, DIM, HIDDEN, generator=gen) / HIDDEN**0.5
-    allowed = torch.arange(num_experts) if allowed is None else torch.tensor(allowed)
-    xs, scores, indices = [], [], []
-    for t in num_tokens:
-        xs.append(torch.randn(t, DIM, generator=gen))
-        scores.append(torch.rand(t, top_k, generator=gen))
-        picked = allowed[torch.rand(t, len(allowed), generator=gen).argsort(1)][:, :top_k]
-        if force is not None:  # replace the last pick of tokens that lack ``force``
-            lacks = (picked != force).all(1)
-            picked[lacks, -1] = force
-        indices.append(picked.contiguous())
-    local = lambda w: [w[r * el:(r + 1) * el].contiguous() for r in range(world)]  # noqa: E731
-    return dict(xs=xs, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3,
-                w1s=local(w1), w2s=local(w2), w3s=local(w3))
+    """Random inputs of a simulated world (``worlds.make_world`` at this file's dims, fp32)."""
+    return worlds.make_world(world, num_experts, top_k, num_tokens, seed=seed, dim=DIM, hidden=HIDDEN,
+                             allowed=allowed, force=force)
 
 
 def run_both(world_inputs, *, score_before, workspace=None, params=None):
-    """Run sequential and fused on poisoned buffers (the workspace's and a
-    NaN-filled stacked output that the kernels write in place); return both
-    outputs (views of that output)."""
-    w = world_inputs
-    params = params or interpreter_params()
-    num_tokens = [x.shape[0] for x in w["xs"]]
-    outs = {}
-    for schedule in ("sequential", "fused"):
-        if workspace is not None:
-            workspace.poison()
-        # One row more than the longest rank: rows past T_r must stay untouched.
-        poisoned = torch.full((len(num_tokens), max(num_tokens) + 1, DIM), float("nan"))
-        outs[schedule] = simulated_moe_forward(
-            w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, params=params, workspace=workspace, out=poisoned,
-        )
-        for r, t in enumerate(num_tokens):
-            view = outs[schedule][r]
-            assert (view.untyped_storage().data_ptr() == poisoned.untyped_storage().data_ptr()
-                    and view.storage_offset() == poisoned[r].storage_offset() and view.shape == (t, DIM)), \
-                f"{schedule} rank {r}: the output is not the view out[r, :T_r]"
-            assert not torch.isnan(poisoned[r, :t]).any(), f"{schedule} rank {r}: a row of out was never written"
-            assert torch.isnan(poisoned[r, t:]).all(), f"{schedule} rank {r}: a row past T_r was written"
-    return outs["sequential"], outs["fused"]
+    """Sequential and fused on poisoned buffers (``worlds.run_both_poisoned``)."""
+    return worlds.run_both_poisoned(world_inputs, score_before=score_before, params=params or interpreter_params(),
+                                    workspace=workspace)
 
 
 def assert_correct(world_inputs, sequential, fused, *, score_before):

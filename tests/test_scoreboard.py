@@ -51,6 +51,8 @@ from titan_uniep.kernels.scoreboard import (
 from titan_uniep.params import interpreter_params
 from titan_uniep.runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
 
+import worlds
+
 if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
 if not isinstance(tl.standard.cdiv, InterpretedFunction):
@@ -61,16 +63,8 @@ SLOW = 100_000  # polls: a wait that spins to this bound takes about 25 CPU-seco
 
 
 def make_world(world, num_experts, top_k, num_tokens, *, seed):
-    gen = torch.Generator().manual_seed(seed)
-    el = num_experts // world
-    w = {name: torch.randn(num_experts, *shape, generator=gen) / shape[1]**0.5
-         for name, shape in (("w1", (HIDDEN, DIM)), ("w3", (HIDDEN, DIM)), ("w2", (DIM, HIDDEN)))}
-    out = {f"{name}s": [w[name][r * el:(r + 1) * el].contiguous() for r in range(world)] for name in w}
-    out["xs"] = [torch.randn(t, DIM, generator=gen) for t in num_tokens]
-    out["grads"] = [torch.randn(t, DIM, generator=gen) for t in num_tokens]
-    out["scores"] = [torch.rand(t, top_k, generator=gen) for t in num_tokens]
-    out["indices"] = [torch.rand(t, num_experts, generator=gen).argsort(1)[:, :top_k].contiguous() for t in num_tokens]
-    return out
+    """Random inputs of a simulated world (``worlds.make_world`` at this file's dims, fp32)."""
+    return worlds.make_world(world, num_experts, top_k, num_tokens, seed=seed, dim=DIM, hidden=HIDDEN)
 
 
 def forward(w, ws, params, **kwargs):

@@ -10,6 +10,8 @@ from titan_uniep.oracle import float64_moe_oracle
 from titan_uniep.params import default_params
 from titan_uniep.runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
 
+import worlds
+
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -19,28 +21,9 @@ NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
 
 
 def make_world(world, num_experts, top_k, num_tokens, *, seed, force=None, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = torch.device("cuda")
-    el = num_experts // world
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
-
-    w1, w3 = randn(num_experts, HIDDEN, DIM, scale=DIM**-0.5), randn(num_experts, HIDDEN, DIM, scale=DIM**-0.5)
-    w2 = randn(num_experts, DIM, HIDDEN, scale=HIDDEN**-0.5)
-    xs, grads, scores, indices = [], [], [], []
-    for t in num_tokens:
-        xs.append(randn(t, DIM))
-        grads.append(randn(t, DIM))
-        scores.append(torch.rand(t, top_k, generator=gen, device=dev))
-        picked = torch.rand(t, num_experts, generator=gen, device=dev).argsort(1)[:, :top_k]
-        if force is not None:
-            lacks = (picked != force).all(1)
-            picked[lacks, -1] = force
-        indices.append(picked.contiguous())
-    local = lambda w: [w[r * el:(r + 1) * el].contiguous() for r in range(world)]  # noqa: E731
-    return dict(xs=xs, grads=grads, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3, el=el,
-                w1s=local(w1), w2s=local(w2), w3s=local(w3))
+    """Random inputs of a simulated world on the GPU (``worlds.make_world`` at this file's dims)."""
+    return worlds.make_world(world, num_experts, top_k, num_tokens, seed=seed, dim=DIM, hidden=HIDDEN, force=force,
+                             device="cuda", dtype=dtype)
 
 
 def float64_grads(w, score_before):

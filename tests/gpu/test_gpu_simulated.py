@@ -9,7 +9,9 @@ import torch
 
 from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
 from titan_uniep.params import LayerParams
-from titan_uniep.runtime import Workspace, simulated_moe_forward
+from titan_uniep.runtime import Workspace
+
+import worlds
 
 pytestmark = pytest.mark.gpu
 
@@ -17,27 +19,9 @@ DIM, HIDDEN = 256, 384
 
 
 def make_world(world, num_experts, top_k, num_tokens, *, seed, allowed=None, force=None, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = torch.device("cuda")
-    el = num_experts // world
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
-
-    w1, w3 = randn(num_experts, HIDDEN, DIM, scale=DIM**-0.5), randn(num_experts, HIDDEN, DIM, scale=DIM**-0.5)
-    w2 = randn(num_experts, DIM, HIDDEN, scale=HIDDEN**-0.5)
-    allowed = torch.arange(num_experts, device=dev) if allowed is None else torch.tensor(allowed, device=dev)
-    xs, scores, indices = [], [], []
-    for t in num_tokens:
-        xs.append(randn(t, DIM))
-        scores.append(torch.rand(t, top_k, generator=gen, device=dev))
-        picked = allowed[torch.rand(t, len(allowed), generator=gen, device=dev).argsort(1)][:, :top_k]
-        if force is not None:
-            lacks = (picked != force).all(1)
-            picked[lacks, -1] = force
-        indices.append(picked.contiguous())
-    local = lambda w: [w[r * el:(r + 1) * el].contiguous() for r in range(world)]  # noqa: E731
-    return dict(xs=xs, scores=scores, indices=indices, w1=w1, w2=w2, w3=w3, w1s=local(w1), w2s=local(w2), w3s=local(w3))
+    """Random inputs of a simulated world on the GPU (``worlds.make_world`` at this file's dims)."""
+    return worlds.make_world(world, num_experts, top_k, num_tokens, seed=seed, dim=DIM, hidden=HIDDEN,
+                             allowed=allowed, force=force, device="cuda", dtype=dtype)
 
 
 def check_world(w, *, score_before, params=None, workspace=None):
@@ -45,28 +29,11 @@ def check_world(w, *, score_before, params=None, workspace=None):
     by the kernels, one row more than the longest rank): bitwise equal, every
     row of a rank written, rows past it untouched, close to float64 and to the
     layout reference."""
-    num_tokens = [x.shape[0] for x in w["xs"]]
-    outs = {}
-    for schedule in ("sequential", "fused"):
-        if workspace is not None:
-            workspace.poison()
-        poisoned = torch.full((len(num_tokens), max(num_tokens) + 1, DIM), float("nan"), dtype=w["xs"][0].dtype,
-                              device="cuda")
-        outs[schedule] = simulated_moe_forward(
-            w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule=schedule,
-            score_before_experts=score_before, params=params, workspace=workspace, out=poisoned,
-        )
-        for r, t in enumerate(num_tokens):
-            view = outs[schedule][r]
-            assert (view.untyped_storage().data_ptr() == poisoned.untyped_storage().data_ptr()
-                    and view.storage_offset() == poisoned[r].storage_offset() and view.shape == (t, DIM)), \
-                f"{schedule} rank {r}: the output is not the view out[r, :T_r]"
-            assert not torch.isnan(poisoned[r, :t]).any(), f"{schedule} rank {r}: a row of out was never written"
-            assert torch.isnan(poisoned[r, t:]).all(), f"{schedule} rank {r}: a row past T_r was written"
+    sequential, fused = worlds.run_both_poisoned(w, score_before=score_before, params=params, workspace=workspace)
     layout_ref = layout_oracle_forward(
         w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], score_before_experts=score_before
     )
-    for r, (seq, fus) in enumerate(zip(outs["sequential"], outs["fused"])):
+    for r, (seq, fus) in enumerate(zip(sequential, fused)):
         assert torch.equal(seq, fus), f"rank {r}: fused differs from sequential"
         assert not torch.isnan(fus).any(), f"rank {r}: NaN in output"
         if fus.shape[0] == 0:
