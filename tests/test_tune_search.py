@@ -31,6 +31,7 @@ class FakeShape:
     top_k: int
     ep_size: int
     dtype_bytes: int = 2
+    score_before_experts: bool = False
 
 
 def _field(kind, stage, order_key=None):

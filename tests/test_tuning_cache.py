@@ -21,7 +21,7 @@ from titan_uniep.tuning import cache, selection
 from titan_uniep.tuning.cache import CacheEntry, CacheKey, load, lookup, save, token_bucket
 
 KEY = CacheKey(gpu="NVIDIA H200", ep_size=2, dtype="bfloat16", token_bucket=8192, dim=2048, hidden=768,
-               num_experts=128, top_k=8, kernel_version="0123456789abcdef")
+               num_experts=128, top_k=8, score_before_experts=False, kernel_version="0123456789abcdef")
 FORWARD = {"fc2_block_n": 256, "dispatch_programs": 32, "local_first": True}
 BACKWARD = {"da_num_warps": 8, "dh_programs_per_sm": 1}
 
@@ -41,7 +41,7 @@ def test_cache_round_trips_through_readable_json_and_merges(tmp_path):
     save(path, [_entry()])
     save(path, [other])  # merged into the file, not replacing it
     data = json.loads(path.read_text())
-    assert (data["format"], data["version"]) == ("titan_uniep tuning cache", 1)
+    assert (data["format"], data["version"]) == ("titan_uniep tuning cache", 2)
     assert [e["key"]["hidden"] for e in data["entries"]] == [768, 1536]
     assert data["entries"][0]["forward"] == FORWARD and data["entries"][0]["key"]["gpu"] == "NVIDIA H200"
     assert path.read_text().count("\n") > 20, "indented for people to read"
@@ -77,13 +77,23 @@ def test_shape_without_entry_says_so():
     assert params is None and reason.startswith("no tuned entry for") and "K=4" in reason
 
 
+def test_entry_of_the_other_score_mode_does_not_apply():
+    """Scores before the experts compile other kernels (and fc1's two-product
+    tile): a point tuned in one score mode is not the other's."""
+    before = dataclasses.replace(KEY, score_before_experts=True)
+    params, reason = lookup([_entry()], before, "forward")
+    assert params is None and reason.startswith("no tuned entry for") and "scores before the experts" in reason
+    assert lookup([_entry(), _entry(before, forward={"fc2_block_n": 128})], before, "forward")[0] == \
+        default_params(2, hidden=768).replace(fc2_block_n=128)
+
+
 def test_token_counts_share_a_bucket_of_4096():
     assert [token_bucket(t) for t in (0, 1, 4096, 4097, 6000, 8192, 8193)] == [4096, 4096, 4096, 8192, 8192, 8192,
                                                                              12288]
 
     def key(tokens):
         return CacheKey.for_layer(gpu=KEY.gpu, ep_size=2, dtype="bfloat16", num_tokens=tokens, dim=2048, hidden=768,
-                                  num_experts=128, top_k=8, version=KEY.kernel_version)
+                                  num_experts=128, top_k=8, score_before_experts=False, version=KEY.kernel_version)
 
     assert key(6000) == KEY and key(4097) == KEY
     assert lookup([_entry()], key(6000), "forward")[0] is not None
@@ -103,9 +113,9 @@ def test_cache_is_json_only_never_unpickled(tmp_path):
     with pytest.raises(ValueError, match="is not JSON"):
         load(evil)
     assert not marker.exists()
-    (tmp_path / "v2.json").write_text(json.dumps({"format": cache.CACHE_FORMAT, "version": 2, "entries": []}))
-    with pytest.raises(ValueError, match="has version 2, this titan_uniep reads version 1: retune"):
-        load(tmp_path / "v2.json")
+    (tmp_path / "v1.json").write_text(json.dumps({"format": cache.CACHE_FORMAT, "version": 1, "entries": []}))
+    with pytest.raises(ValueError, match="has version 1, this titan_uniep reads version 2: retune"):
+        load(tmp_path / "v1.json")
     (tmp_path / "other.json").write_text(json.dumps({"entries": []}))
     with pytest.raises(ValueError, match="is not a 'titan_uniep tuning cache' file"):
         load(tmp_path / "other.json")
@@ -193,7 +203,8 @@ def test_workspace_build_gets_the_entry_of_its_layer_key(monkeypatch):
     monkeypatch.setattr(selection.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(selection.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(selection.dist, "all_reduce", lambda tensor, op, group: None)
-    layer = dict(num_tokens=6000, dim=2048, hidden=768, num_experts=128, top_k=8, dtype=torch.bfloat16, device="cpu")
+    layer = dict(num_tokens=6000, dim=2048, hidden=768, num_experts=128, top_k=8, score_before_experts=False,
+                 dtype=torch.bfloat16, device="cpu")
     assert selection.select_params(group, **layer, backward=False) is None, "no policy: the default"
     monkeypatch.setitem(selection._policies, group.group_name,
                         selection.TuningPolicy(mode="cached", cache_path="t.json", entries=[entry]))

@@ -128,13 +128,15 @@ def gemm_only_fwd_bwd(tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, d
     return step
 
 
-def tuned_points(path: str, shape, world: int, dtype: torch.dtype, dev) -> dict[str, tuple]:
-    """``{"forward": (params | None, reason), "backward": ...}`` of ``shape`` in the tuning cache at ``path``."""
+def tuned_points(path: str, shape, world: int, dtype: torch.dtype, dev, score_before: bool) -> dict[str, tuple]:
+    """``{"forward": (params | None, reason), "backward": ...}`` of ``shape`` (in that score mode) in the tuning
+    cache at ``path``."""
     from .tuning.cache import CacheKey, lookup_file
 
     num_tokens, dim, hidden, num_experts, top_k = shape
     key = CacheKey.for_layer(gpu=torch.cuda.get_device_name(dev), ep_size=world, dtype=dtype, num_tokens=num_tokens,
-                             dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k)
+                             dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k,
+                             score_before_experts=score_before)
     return lookup_file(path, key)
 
 
@@ -153,7 +155,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
                  device=dev)
     fwd_ws = Workspace.for_group(group, **sizes)
     bwd_ws = BackwardWorkspace.for_group(group, **sizes)
-    tuned = tuned_points(args.tuned_cache, shape, world, dtype, dev) if args.tuned_cache else {}
+    tuned = tuned_points(args.tuned_cache, shape, world, dtype, dev, args.score_before) if args.tuned_cache else {}
     tuned_fwd, tuned_bwd = (tuned.get(d, (None, ""))[0] for d in ("forward", "backward"))
     result["tuned"] = {d: {"applied": p is not None, "reason": why} for d, (p, why) in tuned.items()}
     tuned_fwd_ws = tuned_bwd_ws = None

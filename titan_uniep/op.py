@@ -84,19 +84,22 @@ def raise_pending_errors() -> None:
         ws.check_errors()
 
 
-def _workspace_key(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, backward: bool) -> tuple:
-    """One workspace per (EP group, direction, layer shape, dtype, device)."""
+def _workspace_key(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, score_before_experts: bool,
+                   backward: bool) -> tuple:
+    """One workspace per (EP group, direction, layer shape, score mode, dtype,
+    device): its tuned point (``select_params``) is chosen per score mode."""
     num_experts = w1.shape[0] * dist.get_world_size(_resolve_process_group(group_name))
-    return (group_name, backward, x.shape[1], w1.shape[1], num_experts, top_k, x.dtype, x.device)
+    return (group_name, backward, x.shape[1], w1.shape[1], num_experts, top_k, score_before_experts, x.dtype, x.device)
 
 
 def workspace_for(
-    group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, *, backward: bool = False
+    group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, *, score_before_experts: bool,
+    backward: bool = False,
 ) -> Workspace | BackwardWorkspace:
     """The forward (or backward) workspace of this group and layer shape, built on first use."""
     group = _resolve_process_group(group_name)
     num_experts = w1.shape[0] * dist.get_world_size(group)
-    ws = _workspaces.get(key := _workspace_key(group_name, x, w1, top_k, backward))
+    ws = _workspaces.get(key := _workspace_key(group_name, x, w1, top_k, score_before_experts, backward))
     num_tokens = x.shape[0]
     if ws is None:
         capacity = max(num_tokens, _reserved_tokens.get(group_name, 0), 1)
@@ -105,7 +108,8 @@ def workspace_for(
                      dtype=x.dtype)
         if x.device.type == "cuda":
             # [uniep] tuning's point for this layer (None: the default); a collective when tuning is on.
-            params = select_params(group, **sizes, device=x.device, backward=backward)
+            params = select_params(group, **sizes, score_before_experts=score_before_experts, device=x.device,
+                                   backward=backward)
             ws = kind.for_group(group, device=x.device, params=params, **sizes)
         else:
             ws = _interpreted_workspace(kind, group, x.device, sizes)
@@ -161,7 +165,7 @@ def moe_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.runtime.forward)
     and the receive slots' h1 | h3 ``(slot_capacity, 2H)`` (for the backward only)."""
-    ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1])
+    ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts)
     h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     if ws.is_simulated:  # a one-rank group without CUDA: the world of one rank, in place
@@ -179,18 +183,18 @@ def moe_experts(
     return out, h13
 
 
-def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int) -> int:
+def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, score_before_experts: bool) -> int:
     """Rows of the op's h1 | h3 output: the forward workspace's slot capacity
     (the same formula before the workspace exists, from what it will be built with)."""
     world = dist.get_world_size(_resolve_process_group(group_name))
-    ws = _workspaces.get(_workspace_key(group_name, x, w1, top_k, backward=False))
+    ws = _workspaces.get(_workspace_key(group_name, x, w1, top_k, score_before_experts, backward=False))
     tokens = ws.shape.token_capacity if ws is not None else max(x.shape[0], _reserved_tokens.get(group_name, 0), 1)
     return slot_capacity(world, tokens, top_k, w1.shape[0])
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x, top_scores, selected_experts_indices, w1, w2, w3, group_name, schedule, score_before_experts):
-    rows = _saved_rows(group_name, x, w1, selected_experts_indices.shape[1])
+    rows = _saved_rows(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts)
     return torch.empty_like(x), x.new_empty(rows, 2 * w1.shape[1])
 
 
@@ -211,7 +215,8 @@ def moe_experts_backward(
     """Gradients ``(dx, dscores fp32, dw1, dw2, dw3)`` of ``moe_experts`` given the
     output gradient and the forward's h1 | h3 (see titan_uniep.runtime.backward);
     every one contiguous, in the shape of its input."""
-    ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], backward=True)
+    ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts,
+                       backward=True)
     weights = (w1.contiguous(), w2.contiguous(), w3.contiguous())
     if ws.is_simulated:  # a one-rank group without CUDA
         (grads,) = simulated_moe_backward(

@@ -392,15 +392,14 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
     result.entry = CacheEntry(
         key=CacheKey.for_layer(gpu=torch.cuda.get_device_name(dev), ep_size=world, dtype=layer.dtype,
                                num_tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden,
-                               num_experts=layer.num_experts, top_k=layer.top_k),
+                               num_experts=layer.num_experts, top_k=layer.top_k, score_before_experts=sb),
         forward=changed_fields(cands["forward"][picks["forward"]][0], default),
         backward=changed_fields(cands["backward"][picks["backward"]][0], default),
         measured_ms={d: {"default": rows[d]["default"]["measured_ms"], "tuned": rows[d][picks[d]]["measured_ms"]}
                      for d in rows},
         predicted_ms={d: {"default": rows[d]["default"]["predicted_ms"], "tuned": rows[d][picks[d]]["predicted_ms"]}
                       for d in rows},
-        tokens=layer.tokens, schedule=options.schedule, score_before_experts=sb,
-        candidates=sum(len(c) for c in cands.values()),
+        tokens=layer.tokens, schedule=options.schedule, candidates=sum(len(c) for c in cands.values()),
     )
     return result
 

@@ -59,12 +59,13 @@ _CTL_TILE_TASKS = tl.constexpr(CTL_TILE_TASKS)
 
 @triton.jit
 def fc1_tile(
-    tokens, slot_copy, slot_score, w1, w3, h, h13, m0, m1, n0,
-    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_rows, slot_copy, slot_score, w1, w3, h, h13, m0, m1, n0,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr, SAVE_H13: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
-    """h[m0:m1, n0:n0+BN] of one expert; ``w1``/``w3`` point at its (H, D)
-    weights. ``SAVE_H13``: also h1 and h3 (rounded) into ``h13`` ``(S, 2H)``
+    """h[m0:m1, n0:n0+BN] of one expert from the slots' token rows (``x_rows``:
+    ``scoreboard.token_rows_of``); ``w1``/``w3`` point at its (H, D) weights. ``SAVE_H13``: also h1 and h3 (rounded) into ``h13`` ``(S, 2H)``
     rows, for the backward. ``ONE_DOT`` (``LayerParams.fc1_one_dot``): one
     ``BM x 2BN`` product per K step over interleaved w1 | w3 columns instead
     of two ``BM x BN`` ones; every output element sums the same products in
@@ -76,7 +77,7 @@ def fc1_tile(
     offs_k = tl.arange(0, BK)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
     token_row = (copy_id // TOP_K).to(tl.int64)
-    a_ptrs = tokens + token_row[:, None] * DIM + offs_k[None, :]
+    a_ptrs = x_rows + token_row[:, None] * DIM + offs_k[None, :]
     score = mask_m  # unused unless SCORE_BEFORE
     if SCORE_BEFORE:
         score = tl.load(slot_score + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")

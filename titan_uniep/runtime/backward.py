@@ -267,8 +267,9 @@ def _gather_slot_rows(bws: BackwardWorkspace, call: CallArrays, score_before: bo
     block_s = 16
     gather_slot_rows_kernel[(triton.cdiv(s.slot_capacity, block_s), ws.num_local_ranks)](
         bws.slot_rows, ws.route_tables, call.x, call.grad_out, call.x.stride(0), ws.arena_args, ws.anchor_rank,
-        ws.rank_base, WORLD=s.world_size, DIM=bws.dim, TOP_K=s.top_k, NUM_EXPERTS_LOCAL=s.num_local_experts, NUM_EXPERTS=s.num_experts, SCORE_BEFORE=score_before, BS=block_s,
-        BD=min(512, triton.next_power_of_2(bws.dim)), num_warps=4,
+        ws.rank_base, WORLD=s.world_size, DIM=bws.dim, TOP_K=s.top_k, NUM_EXPERTS_LOCAL=s.num_local_experts,
+        NUM_EXPERTS=s.num_experts, SCORE_BEFORE=score_before, BS=block_s, BD=min(512, triton.next_power_of_2(bws.dim)),
+        num_warps=4,
     )
 
 

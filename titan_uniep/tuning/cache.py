@@ -7,26 +7,27 @@ indented, one entry per tuned layer, meant to be read and diffed by people::
 
     {
       "format": "titan_uniep tuning cache",
-      "version": 1,
+      "version": 2,
       "entries": [
         {
           "key": {"gpu": "NVIDIA H200", "ep_size": 1, "dtype": "bfloat16",
                   "token_bucket": 16384, "dim": 2048, "hidden": 768,
-                  "num_experts": 128, "top_k": 8, "kernel_version": "5d41402abc4b2a76"},
+                  "num_experts": 128, "top_k": 8, "score_before_experts": false,
+                  "kernel_version": "5d41402abc4b2a76"},
           "forward": {"fc2_block_n": 128, "dispatch_programs": 32},
           "backward": {},
           "measured_ms": {"forward": {"default": 1.91, "tuned": 1.74},
                           "backward": {"default": 4.20, "tuned": 4.20}},
           "predicted_ms": {"forward": {"default": 1.85, "tuned": 1.70},
                            "backward": {"default": 4.1, "tuned": 4.1}},
-          "tokens": 16384, "schedule": "fused", "score_before_experts": false,
-          "candidates": 6, "date": "2026-12-01"
+          "tokens": 16384, "schedule": "fused", "candidates": 6, "date": "2026-12-01"
         }
       ]
     }
 
 The key (``CacheKey``): the GPU's name (``torch.cuda.get_device_name``), the
-EP size, the activation dtype, the layer shape (``D``, ``H``, ``E``, ``K``),
+EP size, the activation dtype, the layer shape (``D``, ``H``, ``E``, ``K``
+and the score mode: scores before the experts compile other kernels),
 the token bucket (tokens per rank rounded up to a multiple of
 ``TOKEN_BUCKET`` = 4096: a run of 6000 tokens per rank uses the entry tuned
 at 8192) and the kernel version (``kernel_version()``: a hash of the
@@ -37,7 +38,7 @@ default (``params.default_params(ep_size, hidden=H)``) for the forward and the
 backward workspace; ``{}`` means the default measured fastest. The other
 fields record what the tuner saw (median ms of the default and the tuned
 point, the model's prediction of both, the token count measured, the
-schedule, the score mode, how many candidates were measured, the date).
+schedule, how many candidates were measured, the date).
 
 Every entry gives the default point's bits (the tuner refuses to write one
 that does not). ``lookup`` applies an entry only if every key field
@@ -79,13 +80,13 @@ __all__ = [
 ]
 
 CACHE_FORMAT = "titan_uniep tuning cache"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the score mode is part of the key
 TOKEN_BUCKET = 4096
 DIRECTIONS = ("forward", "backward")
 # Sources whose edits can change what a parameter point costs (kernel_version).
 _VERSIONED_SOURCES = ("kernels/*.py", "runtime/*.py", "params.py")
 _PACKAGE = Path(__file__).resolve().parents[1]
-_SHAPE_FIELDS = ("dtype", "token_bucket", "dim", "hidden", "num_experts", "top_k")
+_SHAPE_FIELDS = ("dtype", "token_bucket", "dim", "hidden", "num_experts", "top_k", "score_before_experts")
 _MACHINE_FIELDS = ("gpu", "ep_size", "kernel_version")
 
 
@@ -136,20 +137,23 @@ class CacheKey:
     hidden: int
     num_experts: int
     top_k: int
+    score_before_experts: bool
     kernel_version: str
 
     @classmethod
     def for_layer(cls, *, gpu: str, ep_size: int, dtype: torch.dtype | str, num_tokens: int, dim: int, hidden: int,
-                  num_experts: int, top_k: int, version: str | None = None) -> "CacheKey":
+                  num_experts: int, top_k: int, score_before_experts: bool, version: str | None = None) -> "CacheKey":
         """The key of a layer of ``num_tokens`` tokens per rank (bucketed);
         ``version`` defaults to this tree's ``kernel_version()``."""
         return cls(gpu=gpu, ep_size=ep_size, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
                    token_bucket=token_bucket(num_tokens), dim=dim, hidden=hidden, num_experts=num_experts,
-                   top_k=top_k, kernel_version=version or kernel_version())
+                   top_k=top_k, score_before_experts=bool(score_before_experts),
+                   kernel_version=version or kernel_version())
 
     def describe(self) -> str:
+        scores = "scores before the experts" if self.score_before_experts else "scores after the experts"
         return (f"T<={self.token_bucket} D={self.dim} H={self.hidden} E={self.num_experts} K={self.top_k} "
-                f"{self.dtype}, EP {self.ep_size}, {self.gpu!r}, kernels {self.kernel_version}")
+                f"{self.dtype} {scores}, EP {self.ep_size}, {self.gpu!r}, kernels {self.kernel_version}")
 
 
 @dataclass
@@ -163,7 +167,6 @@ class CacheEntry:
     predicted_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     tokens: int = 0
     schedule: str = "fused"
-    score_before_experts: bool = False
     candidates: int = 0
     date: str = dataclasses.field(default_factory=lambda: str(date.today()))
 
@@ -190,7 +193,7 @@ class CacheEntry:
 
 def load(path: str | os.PathLike) -> list[CacheEntry]:
     """The entries of the cache file at ``path`` (``[]`` if it does not exist).
-    Raises ValueError naming the file if it is not a version-1 cache."""
+    Raises ValueError naming the file if it is not a cache of ``CACHE_VERSION``."""
     path = Path(path)
     if not path.exists():
         return []

@@ -128,7 +128,8 @@ def policy_for(group_name: str) -> TuningPolicy | None:
 
 
 def select_params(group: dist.ProcessGroup, *, num_tokens: int, dim: int, hidden: int, num_experts: int,
-                  top_k: int, dtype: torch.dtype, device: torch.device, backward: bool) -> LayerParams | None:
+                  top_k: int, score_before_experts: bool, dtype: torch.dtype, device: torch.device,
+                  backward: bool) -> LayerParams | None:
     """The point a workspace of this layer is built with: the group's tuned
     entry, or None (the default) without a policy, with ``tuning = "off"`` or
     without an entry. Collective over ``group`` when a policy is set."""
@@ -137,7 +138,7 @@ def select_params(group: dist.ProcessGroup, *, num_tokens: int, dim: int, hidden
         return None
     key = CacheKey.for_layer(gpu=torch.cuda.get_device_name(device), ep_size=dist.get_world_size(group),
                              dtype=dtype, num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts,
-                             top_k=top_k)
+                             top_k=top_k, score_before_experts=score_before_experts)
     params = policy.params_for(key, "backward" if backward else "forward")
     check_agreement(group, params, device, policy.cache_path)
     return params
