@@ -421,13 +421,13 @@ def token_rows_of(arena, anchor_rank, rank, local, x_ptr, g_ptr, x_rank_stride, 
     ``x_ptr`` / ``g_ptr`` of local rank ``local`` in place (stride ``DIM``;
     row ``rank * T_cap + t`` is their row ``t``), so the dispatch copies no
     row and the arena holds none."""
-    tokens = arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens)
-    x_rows = tokens
-    g_rows = tokens + DIM
     if WORLD == 1:
         shift = local.to(tl.int64) * x_rank_stride - rank.to(tl.int64) * arena.token_capacity * DIM
         x_rows = x_ptr + shift
         g_rows = g_ptr + shift
+    else:
+        x_rows = arena_ptr(arena.act, arena, anchor_rank, rank, arena.tokens)
+        g_rows = x_rows + DIM
     return x_rows, g_rows
 
 
