@@ -316,49 +316,71 @@ def test_every_token_on_one_rank_fills_its_slots_exactly_and_a_grown_workspace_k
     (2, 128, 8, [300, 257], 128, "random"),
     (4, 256, 8, [70, 65, 0, 3], 32, "empty_experts"),
     (2, 6, 2, [11, 17], 16, "random"),  # E not a power of two
+    (1, 128, 8, [300], 128, "random"),  # one rank: publish and collect in one launch of 4 parts
+    (1, 72, 4, [77], 16, "skewed"),  # one rank, 8 parts: the fifth one's columns partly past E, the last 3's all
+    (1, 256, 8, [5], 16, "random"),  # more chunks of receive tiles than blocks of copies
 ])
 def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num_experts, top_k, num_tokens,
                                                                       block_m, case):
     """The Triton layout (kernels.route) gives exactly the arrays of the torch
-    definition (layout.compute_layout + compute_tiles), on every rank."""
+    definition (layout.compute_layout + compute_tiles), on every rank, for two
+    calls in a row on one workspace (each call's counts exchange is split in
+    ``count_parts(E)`` parts, whose last one resets the ticket for the next).
+    The first call writes the receive tiles in route_layout_kernel; the second,
+    with local_first, in the exchange (with tile_order, here for half the
+    local experts)."""
+    from titan_uniep.kernels.route import count_parts
     from titan_uniep.layout import compute_tiles
     from titan_uniep.runtime.launch import route
 
+    assert count_parts(num_experts) == {128: 8, 256: 16, 72: 8}.get(num_experts, 1)
     gen = torch.Generator().manual_seed(num_experts * 7 + sum(num_tokens))
-    indices = []
-    for t in num_tokens:
-        pool = torch.arange(num_experts)
-        if case == "empty_experts":
-            pool = pool[pool % 3 != 1]
-        picked = pool[torch.rand(t, len(pool), generator=gen).argsort(1)][:, :top_k]
-        if case == "skewed":
-            lacks = (picked != 3).all(1)
-            picked[lacks, -1] = 3
-        indices.append(picked.contiguous())
-    # (local_first: the exchange also writes tile_order, here for half the local experts)
     cfg = interpreter_params(block_m=block_m, local_first=True, local_first_experts=0.5)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.float32, params=cfg)
+    for call, local_first in enumerate((False, True)):
+        tokens = num_tokens if call == 0 else [max(0, t - 3 * r - 1) for r, t in enumerate(num_tokens)]
+        indices = []
+        for t in tokens:
+            pool = torch.arange(num_experts)
+            if case == "empty_experts":
+                pool = pool[pool % 3 != 1]
+            picked = pool[torch.rand(t, len(pool), generator=gen).argsort(1)][:, :top_k]
+            if case == "skewed":
+                lacks = (picked != 3 + call).all(1)
+                picked[lacks, -1] = 3 + call
+            indices.append(picked.contiguous())
+        _check_route(ws, cfg.replace(local_first=local_first), indices, tokens, num_experts, top_k, block_m, world,
+                     compute_tiles, route, f"call {call}")
+
+
+def _check_route(ws, cfg, indices, num_tokens, num_experts, top_k, block_m, world, compute_tiles, route, label):
     cap = ws.shape.token_capacity
     padded = torch.full((world, cap, top_k), -1, dtype=torch.int64)
     for r, idx in enumerate(indices):
         padded[r, :idx.shape[0]] = idx
     ws.num_tokens.copy_(torch.tensor(num_tokens, dtype=torch.int32))
+    for out in (ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.tile_expert, ws.tile_start, ws.tile_end, ws.num_tiles,
+                ws.tile_order, ws.counts_all):
+        out.fill_(-7)  # poison: every entry compared below must be written by this call
     route(ws, padded, None, cfg)
     ws.check_errors()
     counts_all = torch.stack([count_per_expert(i, num_experts) for i in indices])
     for r in range(world):
-        assert torch.equal(ws.counts_all[r], counts_all)
+        where = f"{label}, rank {r}"
+        assert torch.equal(ws.counts_all[r], counts_all), f"{where}: counts_all"
         layout = compute_layout(indices[r], counts_all, r)
         tiles = compute_tiles(layout, indices[r], block_m, ws.shape.tile_capacity)
         t = num_tokens[r]
-        assert torch.equal(ws.dest_rank[r, :t], layout.dest_rank.to(torch.int32)), f"rank {r}: dest_rank"
-        assert torch.equal(ws.dest_slot[r, :t], layout.dest_slot.to(torch.int32)), f"rank {r}: dest_slot"
-        assert torch.equal(ws.dest_tile[r, :t], tiles.dest_tile), f"rank {r}: dest_tile"
-        assert torch.equal(ws.tile_expert[r], tiles.tile_expert), f"rank {r}: tile_expert"
-        assert torch.equal(ws.tile_start[r], tiles.tile_start), f"rank {r}: tile_start"
-        assert torch.equal(ws.tile_end[r], tiles.tile_end), f"rank {r}: tile_end"
-        assert torch.equal(ws.num_tiles[r:r + 1], tiles.num_tiles), f"rank {r}: num_tiles"
+        assert torch.equal(ws.dest_rank[r, :t], layout.dest_rank.to(torch.int32)), f"{where}: dest_rank"
+        assert torch.equal(ws.dest_slot[r, :t], layout.dest_slot.to(torch.int32)), f"{where}: dest_slot"
+        assert torch.equal(ws.dest_tile[r, :t], tiles.dest_tile), f"{where}: dest_tile"
+        assert torch.equal(ws.tile_expert[r], tiles.tile_expert), f"{where}: tile_expert"
+        assert torch.equal(ws.tile_start[r], tiles.tile_start), f"{where}: tile_start"
+        assert torch.equal(ws.tile_end[r], tiles.tile_end), f"{where}: tile_end"
+        assert torch.equal(ws.num_tiles[r:r + 1], tiles.num_tiles), f"{where}: num_tiles"
+        if not cfg.local_first:
+            continue
         # tile_order (LayerParams.local_first): the tiles of the first half of the
         # local experts whose rows all come from rank r itself first, then the
         # others, each in id order.
@@ -371,7 +393,7 @@ def test_route_kernels_match_compute_layout_and_compute_tiles_bitwise(world, num
         own = ((ids < int(tiles.num_tiles)) & (tiles.tile_start >= own_lo[expert]) & (tiles.tile_end <= own_hi[expert])
                & (expert < -(-el // 2)))
         expected = torch.cat([ids[own], ids[~own]]).to(torch.int32)
-        assert torch.equal(ws.tile_order[r], expected), f"rank {r}: tile_order"
+        assert torch.equal(ws.tile_order[r], expected), f"{where}: tile_order"
 
 
 @pytest.mark.parametrize("world,num_tokens,case,combine", [

@@ -20,7 +20,8 @@ def compile_all() -> None:
 
     from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
-    from titan_uniep.kernels.route import exchange_counts_kernel, route_histogram_kernel, route_layout_kernel
+    from titan_uniep.kernels.route import (count_parts, exchange_counts_kernel, route_histogram_kernel,
+                                           route_layout_kernel)
     from titan_uniep.params import default_params
 
     def build(fn, pointers, consts, num_warps=8, num_stages=3):
@@ -73,12 +74,14 @@ def compile_all() -> None:
         build(exchange_counts_kernel, dict(**packed, block_counts_ptr=i32, counts_all_ptr=i64, control_ptr=i64),
               dict(WORLD=2, NUM_EXPERTS=experts, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
                    BLOCK=1024, USE_TIMER=True, TOP_K=8, EP=experts, ELP=local_pow2, BM=128, ROUTE_BLOCK=route_block,
-                   SB=max(1, 8192 // experts), CB=256, TILE_ORDER=experts != 8), num_warps=4)
+                   PARTS=count_parts(experts), SB=max(1, 8192 * count_parts(experts) // experts), CB=256,
+                   TILE_ORDER=experts != 8), num_warps=4)
         build(route_histogram_kernel, dict(indices_ptr=i64, num_tokens_ptr=i32, block_counts_ptr=i32),
               dict(NUM_EXPERTS=experts, EP=experts, TOP_K=8, BLOCK=route_block, TOKENS_FROM_HOST=True), num_warps=4)
         build(route_layout_kernel, dict(indices_ptr=i64, **layout, dest_rank_ptr=i32, dest_slot_ptr=i32,
-                                        dest_tile_ptr=i32),
-              dict(NUM_EXPERTS=experts, WORLD=2, TOP_K=8, BM=128, BLOCK=route_block), num_warps=4)
+                                        dest_tile_ptr=i32, tile_expert_ptr=i32, tile_start_ptr=i32, tile_end_ptr=i32),
+              dict(NUM_EXPERTS=experts, WORLD=2, TOP_K=8, BM=128, BLOCK=route_block, ELP=local_pow2,
+                   TILE_CAPACITY=1088, CB=256, WRITE_TILES=experts != 8), num_warps=4)
     print("COMPILED OK")
 
 

@@ -9,16 +9,22 @@ version stays the one definition and the oracle):
 1. ``route_histogram_kernel`` (grid: copy blocks x local ranks): copies per
    expert in each block of ``BLOCK`` flat copy ids ``j = t * K + k``, into
    ``block_counts`` ``(NB, E) int32``.
-2. ``exchange_counts_kernel`` (one program per local rank): publishes this
-   rank's per-expert counts into every peer's arena and collects theirs
-   (epoch-tagged flags, bounded waits), using two helpers:
-   ``scan_block_counts`` turns ``block_counts`` into exclusive prefix sums
-   over blocks in place and returns the per-expert totals it publishes, and
-   ``write_route_tables`` turns the exchanged ``(W, E)`` table into the
-   per-expert tables and this rank's receive tiles.
+2. ``exchange_counts_kernel`` (grid: local ranks x ``count_parts(E)``):
+   publishes this rank's per-expert counts into every peer's arena and
+   collects theirs (epoch-tagged flags, bounded waits), using two helpers:
+   ``scan_block_counts`` turns a part's columns of ``block_counts`` into
+   exclusive prefix sums over blocks in place and returns the per-expert
+   totals the part publishes, and ``write_route_tables`` turns the exchanged
+   ``(W, E)`` table into the per-expert tables. The scan is a chain of
+   dependent steps over the blocks; split by expert columns, its parts run
+   side by side, and the last part to finish (a ticket) releases the flags
+   and collects.
 3. ``route_layout_kernel`` (grid: copy blocks x local ranks): for every copy,
    ``within`` = copies of its expert in earlier blocks (the prefix) + earlier
-   in its own block, then ``dest_rank``, ``dest_slot``, ``dest_tile``.
+   in its own block, then ``dest_rank``, ``dest_slot``, ``dest_tile``; and
+   this rank's receive tiles, a chunk of them per program (``write_tile_chunk``;
+   with ``LayerParams.local_first`` the exchange writes them, since its
+   ``tile_order`` reads them).
 
 Per-expert tables, ``route_tables`` ``(ROUTE_TABLE_ROWS, E) int32`` per local
 rank (``e`` global expert, ``s`` this rank):
@@ -39,6 +45,7 @@ import triton.language as tl
 
 from .scoreboard import (
     CONTROL_WORDS,
+    CTL_COUNT_PARTS,
     CTL_EPOCH,
     CTL_ERROR,
     WAIT_COUNTS_FLAG,
@@ -61,6 +68,7 @@ _ROW_EXPERT_BASE = tl.constexpr(ROW_EXPERT_BASE)
 _ROW_ROWS = tl.constexpr(ROW_ROWS)
 _ROUTE_TABLE_ROWS = tl.constexpr(ROUTE_TABLE_ROWS)
 _CTL_EPOCH = tl.constexpr(CTL_EPOCH)
+_CTL_COUNT_PARTS = tl.constexpr(CTL_COUNT_PARTS)
 _CTL_ERROR = tl.constexpr(CTL_ERROR)
 _CONTROL_WORDS = tl.constexpr(CONTROL_WORDS)
 _WAIT_COUNTS_FLAG = tl.constexpr(WAIT_COUNTS_FLAG)
@@ -74,6 +82,17 @@ def route_block(num_experts: int) -> int:
 
 def num_route_blocks(num_tokens: int, top_k: int, num_experts: int) -> int:
     return -(-num_tokens * top_k // route_block(num_experts))
+
+
+# Experts (columns of block_counts) per part of the counts exchange's scan.
+PART_EXPERTS = 16
+MAX_PARTS = 32
+
+
+def count_parts(num_experts: int, part_experts: int = PART_EXPERTS) -> int:
+    """Programs per local rank of the counts exchange: one per
+    ``part_experts`` columns of the (power-of-two padded) experts."""
+    return max(1, min(MAX_PARTS, triton.next_power_of_2(num_experts) // part_experts))
 
 
 @triton.jit
@@ -135,13 +154,14 @@ def route_histogram_kernel(
 
 
 @triton.jit
-def scan_block_counts(block_counts, num_blocks, NUM_EXPERTS: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr):
-    """``block_counts`` ``(num_blocks, E) int32`` per-block histograms ->
-    exclusive prefix sums over blocks, in place. Returns the totals ``(EP,)``
-    (copies per expert; zero past ``NUM_EXPERTS``)."""
-    experts = tl.arange(0, EP)
+def scan_block_counts(block_counts, num_blocks, experts, NUM_EXPERTS: tl.constexpr, EC: tl.constexpr,
+                      SB: tl.constexpr):
+    """Columns ``experts`` (``(EC,)``) of ``block_counts`` ``(num_blocks, E)
+    int32`` per-block histograms -> exclusive prefix sums over blocks, in
+    place. Returns their totals ``(EC,)`` (copies per expert; zero past
+    ``NUM_EXPERTS``)."""
     mask_e = experts < NUM_EXPERTS
-    running = tl.zeros([EP], dtype=tl.int32)
+    running = tl.zeros([EC], dtype=tl.int32)
     b0 = 0
     while b0 < num_blocks:
         blocks = b0 + tl.arange(0, SB)
@@ -153,6 +173,35 @@ def scan_block_counts(block_counts, num_blocks, NUM_EXPERTS: tl.constexpr, EP: t
         running += tl.sum(counts, axis=0)
         b0 += SB
     return running
+
+
+@triton.jit
+def write_tile_chunk(tables, rank, c0, tile_expert_ptr, tile_start_ptr, tile_end_ptr, NUM_EXPERTS: tl.constexpr,
+                     NUM_LOCAL: tl.constexpr, ELP: tl.constexpr, BM: tl.constexpr, TILE_CAPACITY: tl.constexpr,
+                     CB: tl.constexpr):
+    """Tiles ``[c0, c0 + CB)`` of ``rank``'s receive tiles (its experts
+    ``rank * NUM_LOCAL + l`` cut into tiles of ``BM`` rows) from its per-expert
+    ``tables``: expert, first and end slot of each (zeros past the last)."""
+    mine = rank * NUM_LOCAL
+    local_experts = tl.arange(0, ELP)
+    mask_l = local_experts < NUM_LOCAL
+    my_tile_base = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + mine + local_experts, mask=mask_l, other=0)
+    my_rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS + mine + local_experts, mask=mask_l, other=0)
+    my_tiles_end = tl.where(mask_l, my_tile_base + (my_rows + (BM - 1)) // BM, 1 << 30)
+    tile = c0 + tl.arange(0, CB)
+    # searchsorted(cumsum(my_tiles), tile, right=True)
+    expert = tl.sum((my_tiles_end[None, :] <= tile[:, None]).to(tl.int32), axis=1)
+    used = expert < NUM_LOCAL
+    expert = tl.minimum(expert, NUM_LOCAL - 1)
+    base = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + mine + expert)
+    first_tile = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + mine + expert)
+    expert_rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS + mine + expert)
+    start = base + (tile - first_tile) * BM
+    end = tl.minimum(start + BM, base + expert_rows)
+    in_range = tile < TILE_CAPACITY
+    tl.store(tile_expert_ptr + tile, tl.where(used, expert, 0), mask=in_range)
+    tl.store(tile_start_ptr + tile, tl.where(used, start, 0), mask=in_range)
+    tl.store(tile_end_ptr + tile, tl.where(used, end, 0), mask=in_range)
 
 
 @triton.jit
@@ -175,9 +224,11 @@ def write_route_tables(
     CB: tl.constexpr,
     TILE_ORDER: tl.constexpr,
 ):
-    """The per-expert tables and this rank's receive tiles (see the module
-    docstring), as ``layout.compute_layout`` / ``compute_tiles`` define them,
-    and (``TILE_ORDER``) ``tile_order``: a permutation of the tile ids that puts
+    """The per-expert tables (see the module docstring) and the number of
+    this rank's receive tiles, as ``layout.compute_layout`` /
+    ``compute_tiles`` define them; the receive tiles themselves only with
+    ``TILE_ORDER`` (else ``route_layout_kernel`` writes them, in parallel),
+    which also writes ``tile_order``: a permutation of the tile ids that puts
     first the tiles of the first ``own_experts`` local experts whose rows all
     come from this rank itself, then the others, each in id order, for
     ``LayerParams.local_first`` (a schedule choice: where rows sit is
@@ -217,27 +268,14 @@ def write_route_tables(
     mine = rank * NUM_LOCAL
     local_experts = tl.arange(0, ELP)
     mask_l = local_experts < NUM_LOCAL
-    my_tile_base = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + mine + local_experts, mask=mask_l, other=0)
     my_rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS + mine + local_experts, mask=mask_l, other=0)
-    my_tiles = (my_rows + (BM - 1)) // BM
-    my_tiles_end = tl.where(mask_l, my_tile_base + my_tiles, 1 << 30)
-    tl.store(num_tiles_ptr, tl.sum(tl.where(mask_l, my_tiles, 0), axis=0))
-    for c0 in range(0, TILE_CAPACITY, CB):
-        tile = c0 + tl.arange(0, CB)
-        # searchsorted(cumsum(my_tiles), tile, right=True)
-        expert = tl.sum((my_tiles_end[None, :] <= tile[:, None]).to(tl.int32), axis=1)
-        used = expert < NUM_LOCAL
-        expert = tl.minimum(expert, NUM_LOCAL - 1)
-        base = tl.load(tables + _ROW_EXPERT_BASE * NUM_EXPERTS + mine + expert)
-        first_tile = tl.load(tables + _ROW_TILE_BASE * NUM_EXPERTS + mine + expert)
-        expert_rows = tl.load(tables + _ROW_ROWS * NUM_EXPERTS + mine + expert)
-        start = base + (tile - first_tile) * BM
-        end = tl.minimum(start + BM, base + expert_rows)
-        in_range = tile < TILE_CAPACITY
-        tl.store(tile_expert_ptr + tile, tl.where(used, expert, 0), mask=in_range)
-        tl.store(tile_start_ptr + tile, tl.where(used, start, 0), mask=in_range)
-        tl.store(tile_end_ptr + tile, tl.where(used, end, 0), mask=in_range)
+    tl.store(num_tiles_ptr, tl.sum(tl.where(mask_l, (my_rows + (BM - 1)) // BM, 0), axis=0))
     if TILE_ORDER:
+        # tile_order reads the tile arrays: here they are written before it, by
+        # this program (else route_layout_kernel's programs write them).
+        for c0 in range(0, TILE_CAPACITY, CB):
+            write_tile_chunk(tables, rank, c0, tile_expert_ptr, tile_start_ptr, tile_end_ptr, NUM_EXPERTS, NUM_LOCAL,
+                             ELP, BM, TILE_CAPACITY, CB)
         _write_tile_order(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
                           tile_order_ptr, rank, mine, own_experts, NUM_EXPERTS, TILE_CAPACITY, CB)
 
@@ -301,18 +339,34 @@ def route_layout_kernel(
     dest_slot_ptr,  # (L, T_cap, K) int32 out
     dest_tile_ptr,  # (L, T_cap, K) int32 out
     dest_rank_stride,
+    tile_expert_ptr,  # (L, C) int32 out (WRITE_TILES)
+    tile_start_ptr,  # (L, C) int32 out (WRITE_TILES)
+    tile_end_ptr,  # (L, C) int32 out (WRITE_TILES)
+    rank_base,
     NUM_EXPERTS: tl.constexpr,
     WORLD: tl.constexpr,
     TOP_K: tl.constexpr,
     BM: tl.constexpr,
     BLOCK: tl.constexpr,
+    ELP: tl.constexpr,  # next power of two >= NUM_EXPERTS // WORLD
+    TILE_CAPACITY: tl.constexpr,
+    CB: tl.constexpr,  # tiles per program of the tile table
+    WRITE_TILES: tl.constexpr,  # the receive tiles are written here (not by the exchange: no tile_order)
 ):
     """Program (b, l): destination rank, slot and tile of local rank l's copies
     ``[b * BLOCK, (b + 1) * BLOCK)``. An expert id outside ``[0, E)`` gets
-    rank and slot -1 (the dispatch reports it as a bad slot)."""
+    rank and slot -1 (the dispatch reports it as a bad slot). With
+    ``WRITE_TILES``, programs ``b < cdiv(TILE_CAPACITY, CB)`` also write the
+    receive tiles ``[b * CB, (b + 1) * CB)`` (the grid has at least as many)."""
     NUM_LOCAL: tl.constexpr = NUM_EXPERTS // WORLD
     block = tl.program_id(0)
     local = tl.program_id(1)
+    if WRITE_TILES:
+        if block * CB < TILE_CAPACITY:
+            tiles = local * TILE_CAPACITY
+            write_tile_chunk(route_tables_ptr + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS), rank_base + local,
+                             block * CB, tile_expert_ptr + tiles, tile_start_ptr + tiles, tile_end_ptr + tiles,
+                             NUM_EXPERTS, NUM_LOCAL, ELP, BM, TILE_CAPACITY, CB)
     num_copies = tl.load(num_tokens_ptr + local) * TOP_K
     if block * BLOCK < num_copies:
         offs = block * BLOCK + tl.arange(0, BLOCK)
@@ -363,81 +417,96 @@ def exchange_counts_kernel(
     ELP: tl.constexpr,  # next power of two >= NUM_EXPERTS // WORLD
     BM: tl.constexpr,  # rows per GEMM tile
     ROUTE_BLOCK: tl.constexpr,  # copies per block of block_counts
-    SB: tl.constexpr,  # blocks per step of the scan
+    PARTS: tl.constexpr,  # programs per local rank of a PUBLISH launch (the grid's second dimension)
+    SB: tl.constexpr,  # blocks per step of a part's scan
     CB: tl.constexpr,  # tiles per step of the tile table
     TILE_ORDER: tl.constexpr = False,  # also write tile_order (LayerParams.local_first)
 ):
-    """One program per local rank.
+    """Program (l, p): part p of local rank l; the parts split the experts in
+    columns of ``EP // PARTS``.
 
-    PUBLISH: start a new call. Zero this rank's scoreboard (its arrival
-    counters and task counters: every peer bump of the previous call has
-    landed, since this rank waited for all of them), bump the epoch, write
-    this rank's counts into every rank's table ``[epoch % 2][rank]``, then
-    release its flag there with the epoch. The release also orders the zeroing
-    before any peer's next bump. Two tables, by epoch parity: a peer may
-    publish call N+1 while this rank still reads call N's table, never N+2
+    PUBLISH: start a new call. Each part zeroes its share of this rank's
+    arrival counters (every peer bump of the previous call has landed, since
+    this rank waited for all of them), scans its columns of the block counts
+    and writes their totals into every rank's table ``[epoch % 2][rank]``
+    (``epoch``: this call's, the current one + 1), then takes a ticket (an
+    acquire-release add at system scope on ``CTL_COUNT_PARTS``). The part
+    that takes the last ticket has seen every part's stores: it zeroes the
+    task counters (the ticket with them), bumps the epoch and releases this
+    rank's flag in every rank's arena with it. That release also orders the
+    zeroing before any peer's next bump. Two tables, by epoch parity: a peer
+    may publish call N+1 while this rank still reads call N's table, never N+2
     (publishing N+2 needs this rank's flag of N+1).
 
-    Its counts are the totals of the per-block histograms of
-    ``route_histogram_kernel``, which the scan turns into exclusive prefix
-    sums in place (``route_layout_kernel`` reads them).
-
-    COLLECT: wait (bounded, and not at all once this rank has failed; every
-    wait also gives up when the abort word is set: a peer failed first) until
-    every rank's flag shows this epoch, then copy the table out and derive the per-expert route tables and this rank's
-    receive tiles from it (``write_route_tables``). A real rank does both in one
-    launch; the simulated world runs PUBLISH for all ranks, then COLLECT, so no
-    program waits on a later one.
+    COLLECT (the last part when both run in one launch, as a real rank does;
+    else the one part of a COLLECT-only launch): wait (bounded, and not at all
+    once this rank has failed; every wait also gives up when the abort word
+    is set: a peer failed first) until every rank's flag shows this epoch,
+    then copy the table out and derive the per-expert route tables and this
+    rank's receive tiles from it (``write_route_tables``). The simulated world
+    runs PUBLISH for all ranks, then COLLECT, so no program waits on a later
+    one; no part ever waits on another.
     """
+    EC: tl.constexpr = EP // PARTS
     local = tl.program_id(0)
+    part = tl.program_id(1)
     rank = rank_base + local
     control = control_ptr + local * _CONTROL_WORDS
     offs = tl.arange(0, BLOCK)
+    collector = True
     if PUBLISH:
         tile_arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals)
-        for i in range(0, TILE_CAPACITY, BLOCK):
-            tl.store(tile_arrivals + i + offs, 0, mask=i + offs < TILE_CAPACITY)
         token_arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals)
-        for i in range(0, TOKEN_CAPACITY, BLOCK):
-            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_CAPACITY)
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
-        for i in range(0, TILE_CAPACITY, BLOCK):
+        i = part * BLOCK
+        while i < TILE_CAPACITY:
+            tl.store(tile_arrivals + i + offs, 0, mask=i + offs < TILE_CAPACITY)
             tl.store(tile_done + i + offs, 0, mask=i + offs < TILE_CAPACITY)
-        tl.store(control + offs, 0, mask=(offs < _CTL_ERROR) & (offs != _CTL_EPOCH))  # every task counter
+            i += PARTS * BLOCK
+        i = part * BLOCK
+        while i < TOKEN_CAPACITY:
+            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_CAPACITY)
+            i += PARTS * BLOCK
         epoch = tl.load(control + _CTL_EPOCH) + 1
-        tl.store(control + _CTL_EPOCH, epoch)
         parity = epoch % 2
         num_blocks = tl.cdiv(tl.load(route.num_tokens + local) * TOP_K, ROUTE_BLOCK)
-        counts = scan_block_counts(block_counts_ptr + local.to(tl.int64) * block_rank_stride, num_blocks,
-                                   NUM_EXPERTS, EP, SB).to(tl.int64)
-        experts = tl.arange(0, EP)
+        experts = part * EC + tl.arange(0, EC)
+        counts = scan_block_counts(block_counts_ptr + local.to(tl.int64) * block_rank_stride, num_blocks, experts,
+                                   NUM_EXPERTS, EC, SB).to(tl.int64)
         for peer in range(WORLD):
             table = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.counts)
             row = table + (parity * WORLD + rank) * NUM_EXPERTS
             tl.store(row + experts, counts, mask=experts < NUM_EXPERTS)
         tl.debug_barrier()
-        for peer in range(WORLD):
-            flags = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.count_flags)
-            tl.atomic_xchg(flags + parity * WORLD + rank, epoch, sem="release", scope="sys")
+        ticket = tl.atomic_add(control + _CTL_COUNT_PARTS, 1, sem="acq_rel", scope="sys")
+        collector = ticket == PARTS - 1
+        if collector:
+            tl.store(control + offs, 0, mask=(offs < _CTL_ERROR) & (offs != _CTL_EPOCH))  # every task counter
+            tl.store(control + _CTL_EPOCH, epoch)
+            for peer in range(WORLD):
+                flags = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.count_flags)
+                tl.atomic_xchg(flags + parity * WORLD + rank, epoch, sem="release", scope="sys")
     if COLLECT:
-        epoch = tl.load(control + _CTL_EPOCH)
-        parity = epoch % 2
-        flags = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.count_flags) + parity * WORLD
-        abort = abort_word(arena, anchor_rank, rank)
-        for source in range(WORLD):
-            if has_failed(control) == 0:
-                seen, stopped = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER)
-                if seen < epoch:
-                    wait_failed(control, arena, anchor_rank, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen, stopped,
-                                timeout, WORLD, USE_TIMER)
-        table = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.counts) + parity * WORLD * NUM_EXPERTS
-        total: tl.constexpr = WORLD * NUM_EXPERTS
-        for i in range(0, total, BLOCK):
-            value = tl.load(table + i + offs, mask=i + offs < total, cache_modifier=".cg")
-            tl.store(counts_all_ptr + local * total + i + offs, value, mask=i + offs < total)
-        write_route_tables(
-            table, rank, route.tables + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS),
-            route.tile_expert + local * TILE_CAPACITY, route.tile_start + local * TILE_CAPACITY,
-            route.tile_end + local * TILE_CAPACITY, route.num_tiles + local, route.tile_order + local * TILE_CAPACITY,
-            own_experts, WORLD, NUM_EXPERTS, EP, ELP, BM, TILE_CAPACITY, CB, TILE_ORDER,
-        )
+        if collector:
+            epoch = tl.load(control + _CTL_EPOCH)
+            parity = epoch % 2
+            flags = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.count_flags) + parity * WORLD
+            abort = abort_word(arena, anchor_rank, rank)
+            for source in range(WORLD):
+                if has_failed(control) == 0:
+                    seen, stopped = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER)
+                    if seen < epoch:
+                        wait_failed(control, arena, anchor_rank, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen,
+                                    stopped, timeout, WORLD, USE_TIMER)
+            table = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.counts) + parity * WORLD * NUM_EXPERTS
+            total: tl.constexpr = WORLD * NUM_EXPERTS
+            for i in range(0, total, BLOCK):
+                value = tl.load(table + i + offs, mask=i + offs < total, cache_modifier=".cg")
+                tl.store(counts_all_ptr + local * total + i + offs, value, mask=i + offs < total)
+            write_route_tables(
+                table, rank, route.tables + local * (_ROUTE_TABLE_ROWS * NUM_EXPERTS),
+                route.tile_expert + local * TILE_CAPACITY, route.tile_start + local * TILE_CAPACITY,
+                route.tile_end + local * TILE_CAPACITY, route.num_tiles + local,
+                route.tile_order + local * TILE_CAPACITY, own_experts, WORLD, NUM_EXPERTS, EP, ELP, BM,
+                TILE_CAPACITY, CB, TILE_ORDER,
+            )

@@ -85,6 +85,7 @@ CTL_REDUCE_TASKS = 3  # reduce tasks (fc2_combine, da_combine)
 CTL_SEND_TASKS = 4  # staged send / presum tasks (fc2_combine)
 CTL_EPOCH = 5
 CTL_OWN_DISPATCH_TASKS = 6  # dispatch of rows that stay on their rank (LayerParams.local_first)
+CTL_COUNT_PARTS = 7  # parts of the counts exchange done with their columns (kernels.route)
 # Error record: flag, rank, task, what, index, expected, seen, epoch.
 CTL_ERROR = 8
 TASK_COUNTER_WORDS = tuple(w for w in range(CTL_ERROR) if w != CTL_EPOCH)

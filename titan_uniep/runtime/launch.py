@@ -19,7 +19,8 @@ from typing import Literal, Sequence
 import torch
 import triton
 
-from ..kernels.route import exchange_counts_kernel, route_block, route_histogram_kernel, route_layout_kernel
+from ..kernels.route import (count_parts, exchange_counts_kernel, route_block, route_histogram_kernel,
+                             route_layout_kernel)
 from ..params import LayerParams
 from .workspace import Workspace
 
@@ -202,6 +203,10 @@ def tma_rows(ws: Workspace, *tensors: torch.Tensor) -> list[int] | None:
     return [t.numel() // t.shape[-1] for t in tensors]
 
 
+# Receive tiles per step (program) of the tile table.
+TILE_CB = 256
+
+
 def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: LayerParams, *,
           steps: Sequence[str] = ("count", "publish", "collect", "place")) -> None:
     """This call's layout on the device, into the workspace's route arrays
@@ -227,10 +232,15 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
     if publish or collect:
         exchange_counts(ws, params, publish=publish, collect=collect)
     if "place" in steps:
-        route_layout_kernel[grid](
+        # The receive tiles come from here (one chunk of TILE_CB per program) unless
+        # local_first's tile_order needs them in the exchange.
+        chunks = -(-s.tile_capacity // TILE_CB)
+        route_layout_kernel[(max(blocks, chunks), ws.num_local_ranks)](
             indices, indices.stride(0), ws.num_tokens, ws.block_counts, ws.block_counts.stride(0), ws.route_tables,
-            ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.dest_rank.stride(0), WORLD=s.world_size, BM=s.block_m,
-            **meta,
+            ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.dest_rank.stride(0), ws.tile_expert, ws.tile_start,
+            ws.tile_end, ws.rank_base, WORLD=s.world_size, BM=s.block_m,
+            ELP=triton.next_power_of_2(s.num_local_experts), TILE_CAPACITY=s.tile_capacity, CB=TILE_CB,
+            WRITE_TILES=not params.local_first, **meta,
         )
 
 
@@ -247,9 +257,11 @@ def route_world(ws: Workspace, indices: Sequence[torch.Tensor], params: LayerPar
 
 
 def exchange_counts(ws: Workspace, params: LayerParams, *, publish: bool = True, collect: bool = True) -> None:
-    """The counts exchange (``kernels.route.exchange_counts_kernel``)."""
+    """The counts exchange (``kernels.route.exchange_counts_kernel``): a
+    publishing launch runs ``count_parts(E)`` programs per local rank."""
     s = ws.shape
     experts = triton.next_power_of_2(s.num_experts)
+    parts = count_parts(s.num_experts)
     args = (
         ws.block_counts, ws.block_counts.stride(0), ws.counts_all, ws.route_args, ws.control, ws.arena_args,
         ws.anchor_rank, ws.rank_base, wait_bound(ws, params), math.ceil(s.num_local_experts * params.local_first_experts),
@@ -258,17 +270,18 @@ def exchange_counts(ws: Workspace, params: LayerParams, *, publish: bool = True,
         WORLD=s.world_size, NUM_EXPERTS=s.num_experts, TILE_CAPACITY=s.tile_capacity,
         TOKEN_CAPACITY=s.token_capacity, BLOCK=1024, USE_TIMER=use_timer(ws), num_warps=4,
         TOP_K=s.top_k, EP=experts, ELP=triton.next_power_of_2(s.num_local_experts), BM=s.block_m,
-        ROUTE_BLOCK=route_block(s.num_experts), SB=max(1, 8192 // experts), CB=256, TILE_ORDER=params.local_first,
+        ROUTE_BLOCK=route_block(s.num_experts), PARTS=parts, SB=max(1, 8192 * parts // experts), CB=TILE_CB,
+        TILE_ORDER=params.local_first,
     )
-    grid = (ws.num_local_ranks,)
-    if ws.num_local_ranks > 1:
+    ranks = ws.num_local_ranks
+    if ranks > 1:
         # Every simulated rank publishes before any waits (programs may run one by one).
         if publish:
-            exchange_counts_kernel[grid](*args, PUBLISH=True, COLLECT=False, **meta)
+            exchange_counts_kernel[(ranks, parts)](*args, PUBLISH=True, COLLECT=False, **meta)
         if collect:
-            exchange_counts_kernel[grid](*args, PUBLISH=False, COLLECT=True, **meta)
+            exchange_counts_kernel[(ranks, 1)](*args, PUBLISH=False, COLLECT=True, **meta)
     else:
-        exchange_counts_kernel[grid](*args, PUBLISH=publish, COLLECT=collect, **meta)
+        exchange_counts_kernel[(ranks, parts if publish else 1)](*args, PUBLISH=publish, COLLECT=collect, **meta)
 
 
 def finish(ws: Workspace, check: str) -> None:
