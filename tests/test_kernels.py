@@ -316,7 +316,7 @@ def test_every_token_on_one_rank_fills_its_slots_exactly_and_a_grown_workspace_k
     (2, 128, 8, [300, 257], 128, "random"),
     (4, 256, 8, [70, 65, 0, 3], 32, "empty_experts"),
     (2, 6, 2, [11, 17], 16, "random"),  # E not a power of two
-    (1, 128, 8, [300], 128, "random"),  # one rank: publish and collect in one launch of 4 parts
+    (1, 128, 8, [300], 128, "random"),  # one rank: publish and collect in one launch of 8 parts
     (1, 72, 4, [77], 16, "skewed"),  # one rank, 8 parts: the fifth one's columns partly past E, the last 3's all
     (1, 256, 8, [5], 16, "random"),  # more chunks of receive tiles than blocks of copies
 ])
