@@ -19,7 +19,8 @@ version stays the one definition and the oracle):
    dependent steps over the blocks; split by expert columns, its parts run
    side by side, and the last part to finish (a ticket) releases the flags
    and collects.
-3. ``route_layout_kernel`` (grid: copy blocks x local ranks): for every copy,
+3. ``route_layout_kernel`` (grid: copy blocks, at least the tile chunks, x
+   local ranks): for every copy,
    ``within`` = copies of its expert in earlier blocks (the prefix) + earlier
    in its own block, then ``dest_rank``, ``dest_slot``, ``dest_tile``; and
    this rank's receive tiles, a chunk of them per program (``write_tile_chunk``;
@@ -327,7 +328,7 @@ def _own_rows_only(counts_table, tables, tile_expert_ptr, tile_start_ptr, tile_e
     return used & (start >= own_first) & (end <= own_first + own_rows.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank_base"])
 def route_layout_kernel(
     indices_ptr,  # (L, T, K) int: global expert of each copy
     index_rank_stride,
@@ -442,8 +443,9 @@ def exchange_counts_kernel(
     else the one part of a COLLECT-only launch): wait (bounded, and not at all
     once this rank has failed; every wait also gives up when the abort word
     is set: a peer failed first) until every rank's flag shows this epoch,
-    then copy the table out and derive the per-expert route tables and this
-    rank's receive tiles from it (``write_route_tables``). The simulated world
+    then copy the table out and derive the per-expert route tables from it
+    (``write_route_tables``; the receive tiles too only with ``TILE_ORDER``,
+    else ``route_layout_kernel`` writes them). The simulated world
     runs PUBLISH for all ranks, then COLLECT, so no program waits on a later
     one; no part ever waits on another.
     """
