@@ -69,7 +69,7 @@ def main() -> None:
     points = [base.replace(**change) for change in json.loads(args.variants)]
     inp = world_inputs(t, d, h, e, k, world)
     sizes = dict(num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16, device="cuda")
-    presum = any(p.combine in ("staged", "presum") for p in points)
+    presum = any(p.combine != "direct" for p in points)
     ws = Workspace.simulated(world, **sizes, params=base.replace(combine="presum") if presum else base)
     bws = BackwardWorkspace.simulated(world, **sizes, params=base)
     h13 = torch.empty(world, ws.shape.slot_capacity, 2 * h, dtype=torch.bfloat16, device="cuda")

@@ -4,7 +4,7 @@
     python scripts/variant_report.py --constants h200.json --worlds 1,2,4 --shapes qwen3,deepseek,mixtral
 
 For every optional path of the layer (``VARIANTS``: the staged and the
-pre-summed and the tile-reduced combine, descriptor loads in fc2 and dA, deferred releases, own
+pre-summed combine, descriptor loads in fc2 and dA, deferred releases, own
 rows first, dispatch-first, two programs per SM, the dH tasks' slot-row
 copy), the best predicted forward + backward time
 over the search grid (``tuning.space.enumerate_points``; with
@@ -32,7 +32,6 @@ SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256
 VARIANTS = {
     "staged combine": (lambda p: p.combine == "staged", False),
     "pre-summed combine": (lambda p: p.combine == "presum", True),
-    "tile-reduced combine (EP = 1)": (lambda p: p.combine == "tile_reduce", False),
     "fc2 descriptor loads": (lambda p: p.fc2_tma, False),
     "dA descriptor loads": (lambda p: p.da_tma, False),
     "fc2 deferred release": (lambda p: p.fc2_defer_release, False),

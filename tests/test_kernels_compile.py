@@ -63,13 +63,6 @@ def compile_all() -> None:
     fit = sm90_compile.programs_per_sm(kernel, params.fc2_num_warps)
     assert fit >= params.fc2_programs_per_sm, f"fc2_combine (H=768): {fit} programs fit an SM, launched with " \
         f"{params.fc2_programs_per_sm}"
-    # combine="tile_reduce" (EP = 1): the tile's sums of completed tokens fit as many programs per SM.
-    kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
-        NUM_LOCAL=1, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
-        PRESUM=False, WORLD=1, KP=8, TMA=params.fc2_tma, TILE_REDUCE=True, **shape),
-        num_warps=params.fc2_num_warps, num_stages=params.fc2_num_stages, max_registers=params.fc2_max_registers)
-    fit = sm90_compile.programs_per_sm(kernel, params.fc2_num_warps)
-    assert fit >= params.fc2_programs_per_sm, f"fc2_combine, tile_reduce (H=768): {fit} programs fit an SM"
     # LayerParams.fc2_tma: fc2's operands through tensor descriptors, pipelined into wgmma.
     ttgir = build(fc2_combine_kernel, b_ptrs, dict(
         NUM_LOCAL=2, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
@@ -79,7 +72,7 @@ def compile_all() -> None:
     layout = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32)
     for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):
         build(exchange_counts_kernel, dict(**packed, block_counts_ptr=i32, counts_all_ptr=i64, control_ptr=i64),
-              dict(WORLD=2, NUM_EXPERTS=experts, TILE_CAPACITY=1088, TOKEN_COUNTERS=8192, PUBLISH=True, COLLECT=True,
+              dict(WORLD=2, NUM_EXPERTS=experts, TILE_CAPACITY=1088, TOKEN_CAPACITY=8192, PUBLISH=True, COLLECT=True,
                    BLOCK=1024, USE_TIMER=True, TOP_K=8, EP=experts, ELP=local_pow2, BM=128, ROUTE_BLOCK=route_block,
                    PARTS=count_parts(experts), SB=max(1, 8192 * count_parts(experts) // experts), CB=256,
                    TILE_ORDER=experts != 8), num_warps=4)

@@ -70,7 +70,6 @@ def test_every_layer_params_field_has_one_kind():
     base = LayerParams()
     assert keeps_bits(base.replace(combine="staged"), base) is None
     assert keeps_bits(base.replace(combine="presum"), base) == "combine"
-    assert keeps_bits(base.replace(combine="tile_reduce"), base) is None
     assert keeps_bits(base.replace(reduce_block_dim=1024), base) is None  # 512 and 1024: 256 in da_combine
     assert keeps_bits(base.replace(reduce_block_dim=128), base) == "reduce_block_dim"
 
@@ -228,26 +227,6 @@ def test_fc1_one_product_tile_is_priced_only_where_it_runs():
     assert fc1(shape, one) < 0.8 * fc1(shape, two)
     before = dataclasses.replace(shape, score_before_experts=True)
     assert fc1(before, one) == fc1(before, two) == fc1(shape, two)
-
-
-def test_tile_reduce_combine_is_searched_and_priced_at_one_rank_only():
-    """combine="tile_reduce" (the fc2 tile sums the tokens it completes): in
-    the one-rank grid, refused by ``feasible`` with peers; priced with no
-    reduce stage and a longer fc2 (the sums' reads), in both schedules."""
-    shape1, stats1 = layer("qwen3", 1)
-    shape2, _ = layer("qwen3", 2)
-    combines = lambda s: {p.combine for p in enumerate_points(s, limit=20_000)}  # noqa: E731
-    assert "tile_reduce" in combines(shape1) and "tile_reduce" not in combines(shape2)
-    point = shape1.default_params().replace(combine="tile_reduce")
-    assert feasible(point, shape1, H200) is None
-    why = feasible(point, shape2, H200)
-    assert why and "EP = 1 only" in why, why
-    for schedule in ("fused", "sequential"):
-        direct = predict(shape1, stats1, 1, shape1.default_params(), H200, schedule=schedule)
-        tiled = predict(shape1, stats1, 1, point, H200, schedule=schedule)
-        assert tiled.forward["reduce"] == 0 and tiled.exposed["forward.reduce"] == 0
-        assert direct.forward["reduce"] > 0 and tiled.forward["fc2"] > direct.forward["fc2"]
-        assert tiled.backward == direct.backward
 
 
 def test_skewed_routing_is_slower_than_balanced():

@@ -184,7 +184,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
 
         tuned, tuned_reason = tuned_points(args.tuned_cache, shape, world, dtype, dev, args.score_before)["forward"]
     # A workspace built for the presum combine serves every combine mode.
-    needs_y = any(point.combine in ("staged", "presum") for point in (params, *sweep))
+    needs_y = any(point.combine != "direct" for point in (params, *sweep))
     sizes = dict(num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, dtype=dtype,
                  device=dev)
     ws = Workspace.for_group(group, **sizes, params=params.replace(combine="presum") if needs_y else params)

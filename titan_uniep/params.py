@@ -18,8 +18,7 @@ field is a *schedule* choice (when a task runs, which program runs it, how a
 tile is loaded) except the GEMMs' K steps (``*_block_k``), which set the fp32
 summation order of the partial products, the dH tile width ``dh_block_n``
 (the router-score gradient sums one partial per dH column block),
-``combine = "presum"`` (per-rank fp32 partial sums; ``"tile_reduce"`` keeps
-the direct combine's bits), ``reduce_block_dim``
+``combine = "presum"`` (per-rank fp32 partial sums), ``reduce_block_dim``
 below 256 (da_combine's score-gradient steps) and ``wgrad_backend``.
 """
 
@@ -41,7 +40,7 @@ __all__ = [
     "shape_class",
 ]
 
-COMBINES = ("direct", "staged", "presum", "tile_reduce")
+COMBINES = ("direct", "staged", "presum")
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
 SHAPE_CLASSES = ("short", "medium", "long")
 
@@ -113,8 +112,8 @@ class LayerParams:
     """Direct combine: release a tile's row arrivals after the program's next tile, not right after its stores."""
 
     # ---- combine and reduce (fc2_combine and da_combine) ----
-    combine: Literal["direct", "staged", "presum", "tile_reduce"] = "direct"
-    """How fc2 rows go back: stored to the source by the tile ("direct"), sent by separate tasks ("staged"), pre-summed per rank ("presum", other bits), or at EP = 1 stored and summed by the tile that completes a token's column block ("tile_reduce": no reduce tasks, the direct combine's bits)."""
+    combine: Literal["direct", "staged", "presum"] = "direct"
+    """How fc2 rows go back: stored to the source by the tile ("direct"), sent by separate tasks ("staged"), or pre-summed per rank ("presum", other bits)."""
     combine_send_programs: int = 16
     """Staged combine: programs that only send before joining the reduce tasks (>= 1)."""
     reduce_block_tokens: int = 16
@@ -227,10 +226,9 @@ class LayerParams:
         if self.debug_race_seed < 0 or self.debug_wait_slack < 0:
             raise ValueError(f"LayerParams.debug_race_seed and debug_wait_slack must be >= 0, got "
                              f"{self.debug_race_seed} and {self.debug_wait_slack}")
-        if self.debug_race and self.combine in ("presum", "tile_reduce"):
+        if self.debug_race and self.combine == "presum":
             raise ValueError("LayerParams.debug_race checks the 'direct' and 'staged' combines; use one of them "
-                             f"(combine={self.combine!r} sums rows without the reduce tasks' waits that race mode "
-                             "checks)")
+                             "(combine='presum' sums partials its race mode does not stamp)")
         if not self.timeout_s > 0:
             raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
         # (dispatch_programs may reach the grid: every program then dispatches first)

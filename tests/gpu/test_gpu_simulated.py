@@ -75,25 +75,3 @@ def test_simulated_world_bf16_edge_routing(case):
         params = LayerParams(dispatch_programs=3, combine_send_programs=5, num_programs=20, block_m=64,
                              fc1_block_n=64, fc2_block_n=128, dispatch_block_tokens=8, reduce_block_tokens=8)
     check_world(w, score_before=case == "one_local_expert", params=params)
-
-
-@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
-@pytest.mark.parametrize("num_experts,top_k,num_tokens,fc2", [
-    (16, 4, 1001, dict()),  # the GPU default point (short class): 128-column fc2 tiles, two programs per SM
-    (128, 8, 2047, dict(fc2_block_n=256, fc2_num_warps=8, fc2_programs_per_sm=1, fc2_tma=True)),
-    (12, 2, 3, dict(fc2_block_n=64)),  # fewer tokens than tiles; E not a multiple of anything
-])
-def test_tile_reduce_combine_bf16_gives_the_direct_combines_bits(num_experts, top_k, num_tokens, fc2, score_before):
-    """combine="tile_reduce" at one rank on the GPU (concurrent programs, real
-    acquire-release adds): both schedules, two calls on one workspace,
-    bitwise the direct combine's output."""
-    w = make_world(1, num_experts, top_k, [num_tokens], seed=num_tokens + score_before)
-    params = LayerParams(**fc2)
-    ws = Workspace.simulated(1, num_tokens=num_tokens, dim=DIM, hidden=HIDDEN, num_experts=num_experts, top_k=top_k,
-                             dtype=torch.bfloat16, device="cuda", params=params)
-    direct = worlds.run_both_poisoned(w, score_before=score_before, params=params, workspace=ws)[1][0].clone()
-    for _ in range(2):
-        sequential, fused = worlds.run_both_poisoned(w, score_before=score_before, workspace=ws,
-                                                     params=params.replace(combine="tile_reduce"))
-        assert torch.equal(sequential[0], direct) and torch.equal(fused[0], direct)
-    check_world(w, score_before=score_before, workspace=ws, params=params.replace(combine="tile_reduce"))

@@ -40,16 +40,6 @@ arrival per rank the token went to and sums the partials in rank order
 0..W-1 in fp32. One row per (token, rank) crosses NVLink instead of one per
 copy; the rounding differs from ``direct``/``staged`` (partials per rank).
 
-Combine ``"tile_reduce"`` (``TILE_REDUCE``; one rank, EP = 1: every source
-is this rank): the fc2 task stores its rows to ``returned`` as the direct
-combine does, then counts each row on its (token, column block) counter,
-``token_arrivals[t * COL_BLOCKS + c]``, with one acquire-release add. The
-rows whose add completes their token's ``K`` copies of the block sum them in
-the reduce task's order and rounding (k = 0..K-1, fp32, the same scores) and
-store ``out[t]``'s columns of the block. No reduce tasks run and nothing
-waits: the last add has seen every other copy's stores. The bits are the
-direct combine's.
-
 Sequential schedule: the same kernel launched once per task kind (fc2 tasks,
 then send / presum tasks, then reduce tasks); bitwise identical results.
 """
@@ -151,38 +141,6 @@ def store_rows_to_sources(
     returned = arena_ptr(arena.act, arena, anchor_rank, source, arena.returned)
     tl.store(returned[:, None] + row[:, None] * DIM + offs_n[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
     return source, row // TOP_K
-
-
-@triton.jit
-def reduce_completed_rows(
-    token, rows, offs_n, mask_n, col_block, arena, anchor_rank, rank, local, scores_ptr, route, out_ptr,
-    out_rank_stride, DIM: tl.constexpr, TOP_K: tl.constexpr, COL_BLOCKS: tl.constexpr, SCORE_BEFORE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
-):
-    """Combine "tile_reduce", after a tile's row stores (and a barrier): one
-    acquire-release add per row on its (token, column block) counter; the rows
-    whose add is their token's ``TOP_K``-th sum the token's returned rows of
-    the block, as ``reduce_task`` sums them, into ``out``."""
-    counters = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals)
-    before = tl.atomic_add(counters + token * COL_BLOCKS + col_block, 1, mask=rows, sem="acq_rel", scope="gpu")
-    last = rows & (before == TOP_K - 1)
-    # Each thread acquired its own rows' counters; the barrier orders those
-    # acquires before every thread's loads of the rows.
-    tl.debug_barrier()
-    if tl.max(last.to(tl.int32), axis=0) > 0:
-        returned = arena_ptr(arena.act, arena, anchor_rank, rank, arena.returned)
-        mask = last[:, None] & mask_n[None, :]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, TOP_K):
-            y = tl.load(returned + (token * TOP_K + k)[:, None] * DIM + offs_n[None, :], mask=mask, other=0.0,
-                        cache_modifier=".cg")
-            if SCORE_BEFORE:
-                acc += y.to(tl.float32)
-            else:
-                score = tl.load(scores_ptr + local * route.copy_stride + token * TOP_K + k, mask=last)
-                acc += score[:, None] * y.to(tl.float32)
-        out = out_ptr + local.to(tl.int64) * out_rank_stride
-        tl.store(out + token[:, None] * DIM + offs_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -407,7 +365,6 @@ def fc2_combine_kernel(
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     STAGED: tl.constexpr = False, PRESUM: tl.constexpr = False, DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
-    TILE_REDUCE: tl.constexpr = False,  # combine "tile_reduce" (one rank; not with STAGED, PRESUM, DEFER_RELEASE, RACE)
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
 ):
@@ -480,14 +437,9 @@ def fc2_combine_kernel(
                         race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask_m, COL_BLOCKS)
                     # Every thread's row stores before any arrival is released.
                     tl.debug_barrier()
-                    if TILE_REDUCE:
-                        reduce_completed_rows(token, mask_m, offs_n, mask_n, col_block, arena, anchor_rank, rank,
-                                              local, scores_ptr, route, out_ptr, out_rank_stride, DIM, TOP_K,
-                                              COL_BLOCKS, SCORE_BEFORE, BM, BN)
-                    else:
-                        pending_source, pending_token, pending = release_or_defer(
-                            source, token, mask_m, pending_source, pending_token, pending, arena, anchor_rank,
-                            DEFER_RELEASE)
+                    pending_source, pending_token, pending = release_or_defer(
+                        source, token, mask_m, pending_source, pending_token, pending, arena, anchor_rank,
+                        DEFER_RELEASE)
             task = claim_task(control_ptr, _CTL_FC2_TASKS)
         if DEFER_RELEASE:
             release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
@@ -510,7 +462,7 @@ def fc2_combine_kernel(
                           timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER, WORLD, RACE, COL_BLOCKS)
                 task = claim_task(control_ptr, _CTL_SEND_TASKS)
 
-    if (do_reduce != 0) & (TILE_REDUCE == 0):
+    if do_reduce != 0:
         tasks_per_rank = tl.cdiv(max_over_ranks(route.num_tokens, NUM_LOCAL), BT)
         total = NUM_LOCAL * tasks_per_rank
         if STAGED:

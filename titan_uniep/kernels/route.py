@@ -408,7 +408,7 @@ def exchange_counts_kernel(
     WORLD: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     TILE_CAPACITY: tl.constexpr,
-    TOKEN_COUNTERS: tl.constexpr,  # token_arrivals counters to zero (runtime.launch.token_counters)
+    TOKEN_CAPACITY: tl.constexpr,
     PUBLISH: tl.constexpr,
     COLLECT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -466,8 +466,8 @@ def exchange_counts_kernel(
             tl.store(tile_done + i + offs, 0, mask=i + offs < TILE_CAPACITY)
             i += PARTS * BLOCK
         i = part * BLOCK
-        while i < TOKEN_COUNTERS:
-            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_COUNTERS)
+        while i < TOKEN_CAPACITY:
+            tl.store(token_arrivals + i + offs, 0, mask=i + offs < TOKEN_CAPACITY)
             i += PARTS * BLOCK
         epoch = tl.load(control + _CTL_EPOCH) + 1
         parity = epoch % 2

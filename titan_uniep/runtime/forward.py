@@ -6,8 +6,7 @@
 
 ``schedule="fused"`` overlaps communication and GEMM tiles inside each
 megakernel; ``schedule="sequential"`` launches the same kernels task kind by
-task kind (all dispatch, then all fc1; all fc2, then all reduce; with
-``combine="tile_reduce"`` the fc2 tasks sum). Both place
+task kind (all dispatch, then all fc1; all fc2, then all reduce). Both place
 every row by ``titan_uniep.layout`` and run the same compiled tile code, so
 their outputs are bitwise equal.
 
@@ -59,7 +58,6 @@ from .launch import (
     route,
     route_world,
     stack_ranks,
-    token_counters,
     tma_rows,
     use_timer,
     wait_bound,
@@ -110,8 +108,7 @@ def moe_forward(
     if check == "lazy":
         workspace.poll_errors()
     check_layer_inputs(workspace, workspace.shape.dim, x, top_scores, selected_experts_indices, w1, w2, w3)
-    route(workspace, selected_experts_indices.contiguous().unsqueeze(0), x.shape[0], p,
-          counters=token_counters(workspace, p))
+    route(workspace, selected_experts_indices.contiguous().unsqueeze(0), x.shape[0], p)
     if out is None:
         out = torch.empty_like(x)
     call = CallArrays(
@@ -183,7 +180,7 @@ def simulated_moe_forward(
     shape = workspace.shape
     for r in range(world):
         check_layer_inputs(workspace, shape.dim, x_list[r], score_list[r], index_list[r], w1[r], w2[r], w3[r])
-    route_world(workspace, index_list, p, counters=token_counters(workspace, p))
+    route_world(workspace, index_list, p)
     x = stack_ranks(xs, None, shape.dtype) if isinstance(xs, torch.Tensor) else stack_ranks(x_list, None, shape.dtype)
     if out is None:
         out = torch.empty(world, x.shape[1], shape.dim, dtype=shape.dtype, device=x.device)
@@ -223,7 +220,7 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
     grid = (num_programs(ws, p),)
     timeout = wait_bound(ws, p)
     h13 = call.h13 if call.h13 is not None else ws.h  # never written unless saving
-    staged, presum, tile_reduce = p.combine == "staged", p.combine == "presum", p.combine == "tile_reduce"
+    staged, presum = p.combine == "staged", p.combine == "presum"
     if (staged and ws.y is None) or (presum and not s.presum_combine):
         raise ValueError(
             f"LayerParams.combine={p.combine!r} needs a workspace built with it (it allocates the fc2 output "
@@ -261,7 +258,7 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             do_fc2, do_send, do_reduce, send_programs, timeout, *(b_rows or (0, 0)),
             BM=p.block_m, BN=p.fc2_block_n, BK=p.fc2_block_k, BT=p.reduce_block_tokens, BD=p.reduce_block_dim,
             STAGED=staged, DEFER_RELEASE=p.fc2_defer_release and p.combine == "direct", TMA=b_rows is not None,
-            TILE_REDUCE=tile_reduce, **b_opts, **shape_meta,
+            **b_opts, **shape_meta,
         )
 
     for phase in phases:
@@ -279,7 +276,6 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             if staged or presum:
                 fc2_combine(0, 1, 0, 0)
         elif phase == "reduce":
-            if not tile_reduce:  # the fc2 tasks summed every token
-                fc2_combine(0, 0, 1, 0)
+            fc2_combine(0, 0, 1, 0)
         else:
             raise ValueError(f"unknown phase {phase!r}")

@@ -69,23 +69,7 @@ def call_params(ws: Workspace, params: LayerParams | None) -> LayerParams:
             f"params.block_m ({chosen.block_m}) must equal the workspace's ({ws.shape.block_m}): "
             "tiles and their arrival counters are sized with it"
         )
-    if chosen.combine == "tile_reduce" and ws.shape.world_size != 1:
-        raise ValueError(
-            f"LayerParams.combine='tile_reduce' serves EP = 1 only (the fc2 tile sums a token's rows where they "
-            f"land, so every source must be its own rank); this workspace's EP size is {ws.shape.world_size}: "
-            "use combine='direct'"
-        )
     return chosen
-
-
-def token_counters(ws: Workspace, params: LayerParams) -> int:
-    """Arrival counters of ``token_arrivals`` the counts exchange zeroes for a
-    forward call: one per token, or with ``combine="tile_reduce"`` one per
-    token and fc2 column block (within ``WorkspaceShape.counters_per_token``)."""
-    s = ws.shape
-    if params.combine == "tile_reduce" and s.world_size == 1:
-        return s.token_capacity * -(-s.dim // params.fc2_block_n)
-    return s.token_capacity
 
 
 def check_layer_inputs(ws: Workspace, dim: int, x, scores, indices, w1, w2, w3, grad_out=None) -> None:
@@ -224,7 +208,7 @@ TILE_CB = 256
 
 
 def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: LayerParams, *,
-          steps: Sequence[str] = ("count", "publish", "collect", "place"), counters: int | None = None) -> None:
+          steps: Sequence[str] = ("count", "publish", "collect", "place")) -> None:
     """This call's layout on the device, into the workspace's route arrays
     (``kernels.route``; bitwise what ``layout.compute_layout`` and
     ``compute_tiles`` give): per-block counts, the counts exchange (which also
@@ -232,8 +216,7 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
     destination rank, slot and tile. ``indices``: ``(L, T, K)``, padded with
     -1 in a simulated world. ``num_tokens``: this rank's ``T`` (real EP) or
     None (read from ``ws.num_tokens``). ``steps``: a subset, in order (tests
-    drive the ranks of a world one step at a time). ``counters``: the token
-    arrival counters to zero (``token_counters``; default one per token)."""
+    drive the ranks of a world one step at a time)."""
     s = ws.shape
     block = route_block(s.num_experts)
     blocks = max(1, -(-indices.shape[1] * s.top_k // block))
@@ -247,7 +230,7 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
         )
     publish, collect = "publish" in steps, "collect" in steps
     if publish or collect:
-        exchange_counts(ws, params, publish=publish, collect=collect, counters=counters)
+        exchange_counts(ws, params, publish=publish, collect=collect)
     if "place" in steps:
         # The receive tiles come from here (one chunk of TILE_CB per program) unless
         # local_first's tile_order needs them in the exchange.
@@ -261,8 +244,7 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
         )
 
 
-def route_world(ws: Workspace, indices: Sequence[torch.Tensor], params: LayerParams, *,
-                counters: int | None = None) -> None:
+def route_world(ws: Workspace, indices: Sequence[torch.Tensor], params: LayerParams) -> None:
     """``route`` for a simulated world: every rank's token count and routing."""
     counts = torch.tensor([idx.shape[0] for idx in indices], dtype=torch.int32)
     if ws.device.type == "cuda":
@@ -271,19 +253,13 @@ def route_world(ws: Workspace, indices: Sequence[torch.Tensor], params: LayerPar
         # the copy has run).
         counts = counts.pin_memory()
     ws.num_tokens.copy_(counts, non_blocking=True)
-    route(ws, stack_ranks(list(indices), ws.shape.token_capacity, torch.int64, -1), None, params, counters=counters)
+    route(ws, stack_ranks(list(indices), ws.shape.token_capacity, torch.int64, -1), None, params)
 
 
-def exchange_counts(ws: Workspace, params: LayerParams, *, publish: bool = True, collect: bool = True,
-                    counters: int | None = None) -> None:
+def exchange_counts(ws: Workspace, params: LayerParams, *, publish: bool = True, collect: bool = True) -> None:
     """The counts exchange (``kernels.route.exchange_counts_kernel``): a
-    publishing launch runs ``count_parts(E)`` programs per local rank and
-    zeroes ``counters`` token arrival counters (default one per token)."""
+    publishing launch runs ``count_parts(E)`` programs per local rank."""
     s = ws.shape
-    counters = s.token_capacity if counters is None else counters
-    if not s.token_capacity <= counters <= s.token_capacity * s.counters_per_token:
-        raise ValueError(f"{counters} token arrival counters: the workspace holds "
-                         f"{s.token_capacity} x {s.counters_per_token}")
     experts = triton.next_power_of_2(s.num_experts)
     parts = count_parts(s.num_experts)
     args = (
@@ -292,7 +268,7 @@ def exchange_counts(ws: Workspace, params: LayerParams, *, publish: bool = True,
     )
     meta = dict(
         WORLD=s.world_size, NUM_EXPERTS=s.num_experts, TILE_CAPACITY=s.tile_capacity,
-        TOKEN_COUNTERS=counters, BLOCK=1024, USE_TIMER=use_timer(ws), num_warps=4,
+        TOKEN_CAPACITY=s.token_capacity, BLOCK=1024, USE_TIMER=use_timer(ws), num_warps=4,
         TOP_K=s.top_k, EP=experts, ELP=triton.next_power_of_2(s.num_local_experts), BM=s.block_m,
         ROUTE_BLOCK=route_block(s.num_experts), PARTS=parts, SB=max(1, 8192 * parts // experts), CB=TILE_CB,
         TILE_ORDER=params.local_first,

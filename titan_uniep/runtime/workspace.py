@@ -19,10 +19,7 @@ slot_copy          4 * S              dispatch (slot -> copy id)
 slot_score         4 * S              dispatch (router score of the slot)
 tile_arrivals      4 * C              dispatch (release), fc1 waits
 returned           T * K * D * b      fc2 (expert output of each copy)
-token_arrivals     4 * T              fc2 / send (release), reduce waits;
-                   (W = 1: 4 * T *    with combine="tile_reduce" one per
-                   cdiv(D, 16))       (token, fc2 column block), counted by
-                                      the fc2 tiles (acquire-release)
+token_arrivals     4 * T              fc2 / send (release), reduce waits
 tile_done          4 * C              fc2 (staged combine), send waits
 counts             2 * W * E * 8      counts exchange (two epochs' tables)
 count_flags        2 * W * 8          counts exchange (epoch of each table)
@@ -156,14 +153,6 @@ class WorkspaceShape:
         return self.staged_combine or self.presum_combine
 
     @property
-    def counters_per_token(self) -> int:
-        """Arrival counters per token in ``token_arrivals``: one, or at one
-        rank one per 16 columns of D, so that ``combine="tile_reduce"`` can
-        count every fc2 column block of any width apart
-        (``runtime.forward.token_counters``)."""
-        return -(-self.dim // 16) if self.world_size == 1 else 1
-
-    @property
     def elem_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
@@ -176,7 +165,7 @@ class WorkspaceShape:
             "slot_score": 4 * s,
             "tile_arrivals": 4 * c,
             "returned": t * k * d * b,
-            "token_arrivals": 4 * t * self.counters_per_token,
+            "token_arrivals": 4 * t,
             "tile_done": 4 * c,
             "counts": 2 * w * e * 8,
             "count_flags": 2 * w * 8,

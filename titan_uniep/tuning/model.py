@@ -421,22 +421,16 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     fwd["fc1"] = slowest(fc1) + launch
     bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
     staged, presum = c["combine"] == "staged", c["combine"] == "presum"
-    tile_reduce = c["combine"] == "tile_reduce"  # (EP = 1 only: space.feasible)
-    direct = ~(staged | presum | tile_reduce)
+    direct = ~(staged | presum)
     tile_remote = bm * c["fc2_block_n"][:, None] * b * remote_share[None, :]
     fc2_wait = np.where((direct & ~c["fc2_defer_release"])[:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
-    # tile_reduce: a tile reads, on average, one tile of returned rows (K rows
-    # for each of its 1 / K completing rows) and writes 1 / K tile of out.
-    reduce_tile = np.where(tile_reduce[:, None], hw.release_us * us + bm * c["fc2_block_n"][:, None] * b
-                           * (1 + 1 / k) / (hbm / sms), 0.0)
-    reduce_bytes = np.where(tile_reduce[:, None], (tokens * k * d * b + tokens * d * b)[None, :], 0.0)
     fc2_local = gemm("fc2", d, h, 1, c["fc2_block_n"], c["fc2_block_k"], c["fc2_num_warps"], c["fc2_num_stages"],
-                     c["fc2_programs_per_sm"], h * b, b, extra_tile_s=fc2_wait + reduce_tile,
-                     extra_bytes=reduce_bytes, tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0))
+                     c["fc2_programs_per_sm"], h * b, b, extra_tile_s=fc2_wait,
+                     tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0))
     combine_link = np.maximum(back_out, back_in) * d * b / link if w > 1 else np.zeros(w)
     fc2 = np.where(direct[:, None], np.maximum(fc2_local, combine_link[None, :]), fc2_local)
     fwd["fc2"] = slowest(fc2) + launch
-    bounds["forward.fc2"] = "GEMM (tile_reduce: and the sums of the tokens it completes); direct combine: and " + (
+    bounds["forward.fc2"] = "GEMM; direct combine: and " + (
         f"{back_out.max() * d * b / 1e6:.1f} MB back over NVLink" if w > 1 else "its stores")
     y_bytes = rows_rank * d * b
     send_programs = np.where(staged, grid, 1.0)
@@ -451,9 +445,9 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     t_max = tokens.max()
     reduce_read = np.where(presum, t_max * min(w, k) * d * 4, t_max * k * d * b)
     reduce_tasks = np.ceil(t_max / c["reduce_block_tokens"]) * np.ceil(d / np.minimum(c["reduce_block_dim"], d))
-    fwd["reduce"] = np.where(tile_reduce, 0.0, (reduce_read + t_max * d * b) / reduce_rate
-                             + reduce_tasks / grid * hw.release_us * us + launch)
-    bounds["forward.reduce"] = "program copy rate / HBM (tile_reduce: none, in fc2)"
+    fwd["reduce"] = ((reduce_read + t_max * d * b) / reduce_rate + reduce_tasks / grid * hw.release_us * us
+                     + launch)
+    bounds["forward.reduce"] = "program copy rate / HBM"
 
     # ---- backward, each stage alone ----
     bwd["exchange"] = fwd["exchange"]
@@ -531,7 +525,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         # the reduce tail waits for each token's last row
         exposed_f["fc2"] = fwd["fc2"]
         exposed_f["combine"] = fwd["combine"] * (1 - hw.combine_overlap)
-        exposed_f["reduce"] = np.where(tile_reduce, 0.0, (fwd["reduce"] - launch) * hw.reduce_tail)
+        exposed_f["reduce"] = (fwd["reduce"] - launch) * hw.reduce_tail
         # dispatch_dh: every program dispatches first (with local_first: own rows first)
         exposed_b = dict(bwd)
         exposed_b["dispatch"] = bwd["dispatch"] - launch

@@ -19,9 +19,8 @@ Kinds (``FIELDS[name].kind``):
   block), ``wgrad_backend`` (``torch._grouped_mm`` or the Triton kernel);
 - ``"mixed"``: some values keep the bits, others not; ``Field.order_key``
   maps a value to what sets the summation order, and a change keeps the
-  bits iff the key stays: ``combine`` (``"direct"``, ``"staged"`` and
-  ``"tile_reduce"`` store the same rows and sum them in the same order;
-  ``"presum"`` sums per rank first) and ``reduce_block_dim``
+  bits iff the key stays: ``combine`` (``"direct"`` and ``"staged"`` store
+  the same rows; ``"presum"`` sums per rank first) and ``reduce_block_dim``
   (da_combine's reduce takes ``min(reduce_block_dim, 256)`` columns a step
   with scores before the experts and sums ``<x, dA>`` per step);
 - ``"fixed"``: waits and testing hooks, never searched.
@@ -166,8 +165,7 @@ FIELDS: dict[str, Field] = {
     "fc2_tma": Field("schedule", _BOOL, "fc2"),
     "fc2_defer_release": Field("schedule", _BOOL, "fc2"),
     # ---- combine and reduce ----
-    "combine": Field("mixed", ("direct", "staged", "presum", "tile_reduce"), "combine",
-                     order_key=lambda v: v == "presum"),
+    "combine": Field("mixed", ("direct", "staged", "presum"), "combine", order_key=lambda v: v == "presum"),
     "combine_send_programs": Field("schedule", (1, 2, 4, 8, 16, 32), "combine"),
     "reduce_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "reduce"),
     "reduce_block_dim": Field("mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce", order_key=lambda v: min(v, 256)),
@@ -319,9 +317,6 @@ def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | Non
     checked also where ``torch._grouped_mm`` runs instead: a point holds for
     both backends."""
     p = params
-    if p.combine == "tile_reduce" and shape.ep_size != 1:
-        return (f"combine='tile_reduce' serves EP = 1 only (the fc2 tile sums a token's rows where they land), "
-                f"not EP = {shape.ep_size}")
     if p.combine == "presum" and p.reduce_block_tokens > p.block_m:
         return (f"reduce_block_tokens ({p.reduce_block_tokens}) must be <= block_m ({p.block_m}) with "
                 "combine='presum'")
@@ -450,7 +445,7 @@ GRID_SHARED: dict[str, tuple] = {
     "dispatch_programs": (16, 32, 1024),
     "dispatch_block_tokens": (16, 32),
     "local_first": (False, True),
-    "combine": ("direct", "staged", "tile_reduce"),  # tile_reduce: EP = 1 only
+    "combine": ("direct", "staged"),
 }
 GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("fc1_block_n", "fc1_num_warps", "fc1_num_stages", "fc1_one_dot"): (
@@ -502,9 +497,8 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
         return  # what every point shares with base does not fit
     shared = {k: v for k, v in GRID_SHARED.items() if k != "block_m"}
     combine_key = FIELDS["combine"].order_key
-    combines = GRID_SHARED["combine"] + (("presum",) if numerics else ())
-    shared["combine"] = tuple(v for v in combines if (numerics or combine_key(v) == combine_key(base.combine))
-                              and (v != "tile_reduce" or shape.ep_size == 1))
+    shared["combine"] = (("direct", "staged", "presum") if numerics else
+                         tuple(v for v in GRID_SHARED["combine"] if combine_key(v) == combine_key(base.combine)))
     shared_names = tuple(shared)
     stage_axes = []
     reduce_key = FIELDS["reduce_block_dim"].order_key
