@@ -221,7 +221,7 @@ def test_memory_report_follows_the_documented_formula():
     assert sizes["arena"] >= sum(sizes[k] for k in ("tokens", "slot_copy", "slot_score", "tile_arrivals", "returned",
                                                     "token_arrivals", "tile_done", "counts", "count_flags"))
     blocks = 8192 * 8 // 128  # route blocks of 128 copies (E = 128)
-    assert sizes["route"] == 4 * (1 + blocks * 128 + 5 * 128 + 3 * 8192 * 8 + 3 * (slots // 128 + 64) + 1)
+    assert sizes["route"] == 4 * (1 + blocks * 128 + 5 * 128 + 3 * 8192 * 8 + 4 * (slots // 128 + 64) + 1)
     assert sizes["total"] == sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"] + sizes["route"]
     staged = memory_bytes(WorkspaceShape(**{**shape.__dict__, "staged_combine": True}))
     assert staged["y"] == slots * 2048 * 2 and staged["total"] == sizes["total"] + staged["y"]
@@ -234,6 +234,12 @@ def test_memory_report_follows_the_documented_formula():
     # One rank: the tiles read x in place, the arena holds no token rows.
     alone = memory_bytes(WorkspaceShape(**{**shape.__dict__, "world_size": 1}))
     assert alone["tokens"] == 0 and alone["arena"] < sizes["arena"] - sizes["tokens"]
+    # The route arrays as a workspace allocates them (per local rank).
+    ws = Workspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
+                             params=interpreter_params())
+    route = ("num_tokens", "block_counts", "route_tables", "dest_rank", "dest_slot", "dest_tile", "tile_expert",
+             "tile_start", "tile_end", "num_tiles", "tile_order")
+    assert ws.memory_bytes()["route"] * 2 == sum(getattr(ws, name).nbytes for name in route)
 
 
 @pytest.mark.parametrize("combine,local_first", [("staged", False), ("presum", False), ("staged", True)])

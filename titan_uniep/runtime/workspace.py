@@ -42,8 +42,8 @@ control words (task counters, epoch, error record), and the current call's
 layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
 ``block_counts`` ``(NB, E)`` with ``NB = ceil(T * K / route_block(E))``,
 ``route_tables`` ``(5, E)``, ``dest_rank``/``dest_slot``/``dest_tile``
-``(T, K)``, ``tile_expert``/``tile_start``/``tile_end`` ``(C,)``,
-``num_tiles``). ``memory_bytes()`` returns exactly these numbers.
+``(T, K)``, ``tile_expert``/``tile_start``/``tile_end``/``tile_order``
+``(C,)``, ``num_tiles``). ``memory_bytes()`` returns exactly these numbers.
 
 Flags are never reset by a memset-and-barrier: each call's exchange bumps a
 per-rank epoch, publishes its counts tagged with it, and zeroes this rank's
@@ -200,7 +200,7 @@ def memory_bytes(shape: WorkspaceShape) -> dict[str, int]:
     sizes["counts_all"] = shape.world_size * shape.num_experts * 8
     sizes["control"] = CONTROL_WORDS * 8
     t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
-    sizes["route"] = 4 * (1 + max(1, num_route_blocks(t, k, e)) * e + ROUTE_TABLE_ROWS * e + 3 * t * k + 3 * c + 1)
+    sizes["route"] = 4 * (1 + max(1, num_route_blocks(t, k, e)) * e + ROUTE_TABLE_ROWS * e + 3 * t * k + 4 * c + 1)
     sizes["total"] = (sizes["arena"] + sizes["h"] + sizes["y"] + sizes["counts_all"] + sizes["control"]
                       + sizes["route"])
     return sizes
