@@ -234,7 +234,7 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
     if "place" in steps:
         # The receive tiles come from here (one chunk of TILE_CB per program) unless
         # local_first's tile_order needs them in the exchange.
-        chunks = -(-s.tile_capacity // TILE_CB)
+        chunks = 0 if params.local_first else -(-s.tile_capacity // TILE_CB)
         route_layout_kernel[(max(blocks, chunks), ws.num_local_ranks)](
             indices, indices.stride(0), ws.num_tokens, ws.block_counts, ws.block_counts.stride(0), ws.route_tables,
             ws.dest_rank, ws.dest_slot, ws.dest_tile, ws.dest_rank.stride(0), ws.tile_expert, ws.tile_start,
