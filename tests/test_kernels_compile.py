@@ -20,6 +20,7 @@ def compile_all() -> None:
 
     from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
+    from titan_uniep.kernels.scoreboard import sync_scope
     from titan_uniep.kernels.route import (count_parts, exchange_counts_kernel, route_histogram_kernel,
                                            route_layout_kernel)
     from titan_uniep.params import default_params
@@ -63,6 +64,20 @@ def compile_all() -> None:
     fit = sm90_compile.programs_per_sm(kernel, params.fc2_num_warps)
     assert fit >= params.fc2_programs_per_sm, f"fc2_combine (H=768): {fit} programs fit an SM, launched with " \
         f"{params.fc2_programs_per_sm}"
+    # The scope of the releases and acquires (scoreboard.sync_scope): GPU scope
+    # when the whole world is this launch, system scope with peers on other
+    # GPUs. On sm_90 the release after a tile's row stores is a memory barrier
+    # of that scope; with one rank only the failure path keeps system-scope ones.
+    barriers = {}
+    for local, world in ((1, 1), (1, 2)):
+        kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
+            NUM_LOCAL=local, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
+            PRESUM=False, WORLD=world, KP=8, SCOPE=sync_scope(local, world), **shape),
+            num_warps=params.fc2_num_warps, num_stages=params.fc2_num_stages)
+        sass = kernel.asm["sass"]
+        barriers[world] = (sass.count("MEMBAR.ALL.SYS"), sass.count("MEMBAR.ALL.GPU"))
+    assert barriers[1][0] < barriers[2][0] and barriers[1][1] > barriers[2][1], \
+        f"fc2_combine's (system, GPU)-scope barriers at one rank / two ranks: {barriers[1]} / {barriers[2]}"
     # LayerParams.fc2_tma: fc2's operands through tensor descriptors, pipelined into wgmma.
     ttgir = build(fc2_combine_kernel, b_ptrs, dict(
         NUM_LOCAL=2, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
@@ -83,6 +98,15 @@ def compile_all() -> None:
               dict(NUM_EXPERTS=experts, WORLD=2, TOP_K=8, BM=128, BLOCK=route_block, ELP=local_pow2,
                    TILE_CAPACITY=1088, CB=256, WRITE_TILES=experts != 8), num_warps=4)
     print("COMPILED OK")
+
+
+def test_sync_scope_is_gpu_scope_only_when_no_peer_is_on_another_gpu():
+    from titan_uniep.kernels.scoreboard import sync_scope
+
+    assert sync_scope(1, 1) == "gpu"  # one rank
+    assert sync_scope(4, 4) == "gpu"  # a simulated world: every rank in this launch
+    assert sync_scope(1, 2) == "sys"  # one rank per GPU, a peer over NVLink
+    assert sync_scope(2, 4) == "sys"
 
 
 def test_megakernels_compile_for_hopper():

@@ -64,7 +64,7 @@ def da_tile(
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
     RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    DEFER_RELEASE: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr,
+    DEFER_RELEASE: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
@@ -117,7 +117,7 @@ def da_tile(
             g_ptrs += BK
             b_ptrs += BK * DIM
     if DEFER_RELEASE:
-        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
     if RACE:
         mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, n0 // BN, _SALT_COMBINE)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
@@ -151,6 +151,7 @@ def da_reduce_task(
     BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
     WORLD: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     """dx and ds of ``BT`` tokens, once all their dA rows are back."""
     local = task // tasks_per_rank
@@ -161,7 +162,7 @@ def da_reduce_task(
         offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
         mask_t = offs_t < num_tokens
         if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, arrivals_per_token, timeout,
-                           USE_TIMER, WORLD, False, RACE, SLACK, TOP_K, COL_BLOCKS):
+                           USE_TIMER, WORLD, SCOPE, False, RACE, SLACK, TOP_K, COL_BLOCKS):
             returned = arena_ptr(arena.act, arena, anchor_rank, rank, arena.returned)
             rows = offs_t.to(tl.int64) * TOP_K
             offs_k = tl.arange(0, KP)
@@ -232,6 +233,7 @@ def da_combine_kernel(
     TMA: tl.constexpr = False,
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
+    SCOPE: tl.constexpr = "sys",  # scoreboard.sync_scope
 ):
     COL_BLOCKS: tl.constexpr = (DIM + BN - 1) // BN
     col_blocks = tl.cdiv(DIM, BN)
@@ -250,7 +252,7 @@ def da_combine_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
-                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK)
+                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
             if ready:
                 weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                 hidden_at = local.to(tl.int64) * h_rank_stride
@@ -263,14 +265,14 @@ def da_combine_kernel(
                     local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
                     pending_source, pending_token, pending, control_ptr + local * _CONTROL_WORDS, rank,
                     DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, DEFER_RELEASE, RACE, COL_BLOCKS,
+                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, DEFER_RELEASE, RACE, COL_BLOCKS, SCOPE,
                 )
                 pending_source, pending_token, pending = release_or_defer(
                     source, token, rows, pending_source, pending_token, pending, arena, anchor_rank,
-                    DEFER_RELEASE)
+                    DEFER_RELEASE, SCOPE)
             task = claim_task(control_ptr, _CTL_DA_TASKS)
         if DEFER_RELEASE:
-            release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+            release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
 
     if do_reduce != 0:
         tasks_per_rank = tl.cdiv(max_over_ranks(route.num_tokens, NUM_LOCAL), BT)
@@ -279,5 +281,5 @@ def da_combine_kernel(
         while task < total:
             da_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, x_ptr, x_rank_stride,
                            dx_ptr, ds_ptr, arena, anchor_rank, TOP_K * col_blocks, timeout, DIM, TOP_K, SCORE_BEFORE,
-                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS)
+                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS, SCOPE)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

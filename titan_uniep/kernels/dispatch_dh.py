@@ -173,12 +173,13 @@ def dispatch_dh_kernel(
     USE_TIMER: tl.constexpr, COPY_ROWS: tl.constexpr = False, BDC: tl.constexpr = 64,
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
+    SCOPE: tl.constexpr = "sys",  # scoreboard.sync_scope
 ):
     ROW: tl.constexpr = 2 * DIM if WORLD > 1 else DIM  # token_rows_of's stride
     if do_dispatch != 0:
         dispatch_tasks(control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base,
                        silent_rank, num_dispatch_programs, local_first, NUM_LOCAL, WORLD, DIM, TOP_K, BT, BD, KP, 2,
-                       False, USE_TIMER, RACE)
+                       False, USE_TIMER, RACE, SCOPE)
 
     if do_tiles != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)
@@ -187,7 +188,7 @@ def dispatch_dh_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, local_first, timeout,
-                NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK)
+                NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
             if ready:
                 weights = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                 x_rows, dy_rows = token_rows_of(arena, anchor_rank, rank, local, x_ptr, g_ptr, x_rank_stride, WORLD,

@@ -212,13 +212,14 @@ def dispatch_fc1_kernel(
     ONE_DOT: tl.constexpr = False,  # LayerParams.fc1_one_dot
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
+    SCOPE: tl.constexpr = "sys",  # scoreboard.sync_scope
 ):
     EVEN_K: tl.constexpr = DIM % BK == 0
     EVEN_N: tl.constexpr = HIDDEN % BN == 0
     if do_dispatch != 0:
         dispatch_tasks(control_ptr, x_ptr, x_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base,
                        silent_rank, num_dispatch_programs, local_first, NUM_LOCAL, WORLD, DIM, TOP_K, BT, BD, KP, 1,
-                       PRESUM, USE_TIMER, RACE)
+                       PRESUM, USE_TIMER, RACE, SCOPE)
 
     if do_fc1 != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)
@@ -227,7 +228,7 @@ def dispatch_fc1_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, local_first, timeout,
-                NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK)
+                NUM_LOCAL, GROUP_M, True, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
             if ready:
                 expert_offset = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * HIDDEN * DIM
                 x_rows, _ = token_rows_of(arena, anchor_rank, rank, local, x_ptr, x_ptr, x_rank_stride, WORLD, DIM)

@@ -148,6 +148,7 @@ def send_task(
     task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks, timeout,
     NUM_LOCAL: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
     USE_TIMER: tl.constexpr, WORLD: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     """Staged combine: send one finished fc2 tile's rows to their sources
     (``RACE``: a seeded subset of them, each stamped in every column block)."""
@@ -160,7 +161,7 @@ def send_task(
         m1 = tl.load(route.tile_end + local * route.tile_stride + tile)
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done) + tile
         seen, stopped = wait_counter_at_least(tile_done, col_blocks, abort_word(arena, anchor_rank, rank), timeout,
-                                              USE_TIMER)
+                                              USE_TIMER, SCOPE)
         if seen < col_blocks:
             wait_failed(control, arena, anchor_rank, rank, task, _WAIT_TILE_DONE, tile, col_blocks, seen, stopped,
                         timeout, WORLD, USE_TIMER)
@@ -185,7 +186,7 @@ def send_task(
                 for col_block in range(COL_BLOCKS):
                     race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask_m, COL_BLOCKS)
             tl.debug_barrier()
-            release_token_arrivals(source, row // TOP_K, mask_m, arena, anchor_rank)
+            release_token_arrivals(source, row // TOP_K, mask_m, arena, anchor_rank, SCOPE)
 
 
 @triton.jit
@@ -193,6 +194,7 @@ def presum_task(
     task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks, timeout,
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     """Presum combine (not in race mode): sum the same-rank rows of the tokens whose first copy
     here lies in ``BT`` slots of one tile; send one fp32 partial per token."""
@@ -223,7 +225,7 @@ def presum_task(
         tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
         wait = lead[:, None] & (tiles >= 0)
         seen, stopped = wait_counters_at_least(tile_done + tl.maximum(tiles, 0), wait, col_blocks,
-                                               abort_word(arena, anchor_rank, rank), timeout, USE_TIMER)
+                                               abort_word(arena, anchor_rank, rank), timeout, USE_TIMER, SCOPE)
         short = wait & (seen < col_blocks)
         if tl.max(tl.max(short.to(tl.int32), axis=1), axis=0) > 0:
             first = tl.min(tl.min(tl.where(short, tiles, 1 << 30), axis=1), axis=0)
@@ -255,14 +257,14 @@ def presum_task(
                 tl.store(dst + offs_d[None, :], acc, mask=lead[:, None] & mask_d[None, :])
             # Every thread's partial stores before any arrival is released.
             tl.debug_barrier()
-            release_token_arrivals(source, token, lead, arena, anchor_rank)
+            release_token_arrivals(source, token, lead, arena, anchor_rank, SCOPE)
 
 
 @triton.jit
 def presum_reduce_task(
     task, tasks_per_rank, rank_base, control_ptr, route, out_ptr, out_rank_stride, arena, anchor_rank, timeout,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, USE_TIMER: tl.constexpr,
+    BD: tl.constexpr, USE_TIMER: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """Presum combine, on the source: ``out[t] = sum_r partial[t, r]`` in fp32
     over the ranks ``r = 0..W-1`` that token ``t`` went to."""
@@ -280,7 +282,7 @@ def presum_reduce_task(
         for p in range(WORLD):
             expected += tl.max(tl.where(dest == p, 1, 0), axis=1)
         if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, expected, timeout, USE_TIMER,
-                           WORLD, True):
+                           WORLD, SCOPE, True):
             out = out_ptr + local.to(tl.int64) * out_rank_stride
             partials = arena_ptr(arena.f32, arena, anchor_rank, rank, arena.partials)
             rows = offs_t.to(tl.int64) * WORLD
@@ -302,7 +304,7 @@ def reduce_task(
     task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride, arena, anchor_rank,
     arrivals_per_token, timeout, DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, USE_TIMER: tl.constexpr, WORLD: tl.constexpr, RACE: tl.constexpr,
-    SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
+    SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """out of ``BT`` tokens of one rank, once all their expert rows are back."""
     local = task // tasks_per_rank
@@ -313,7 +315,7 @@ def reduce_task(
         offs_t = (task % tasks_per_rank) * BT + tl.arange(0, BT)
         mask_t = offs_t < num_tokens
         if wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, arrivals_per_token, timeout,
-                           USE_TIMER, WORLD, False, RACE, SLACK, TOP_K, COL_BLOCKS):
+                           USE_TIMER, WORLD, SCOPE, False, RACE, SLACK, TOP_K, COL_BLOCKS):
             out = out_ptr + local.to(tl.int64) * out_rank_stride
             returned = arena_ptr(arena.act, arena, anchor_rank, rank, arena.returned)
             rows = offs_t.to(tl.int64) * TOP_K
@@ -367,6 +369,7 @@ def fc2_combine_kernel(
     TMA: tl.constexpr = False,
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
+    SCOPE: tl.constexpr = "sys",  # scoreboard.sync_scope
 ):
     EVEN_K: tl.constexpr = HIDDEN % BK == 0
     EVEN_N: tl.constexpr = DIM % BN == 0
@@ -392,7 +395,7 @@ def fc2_combine_kernel(
         while task < total:
             ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
                 task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
-                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK)
+                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
             if ready:
                 if TMA:
                     a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
@@ -420,7 +423,7 @@ def fc2_combine_kernel(
                     tl.atomic_add(tile_done + tile, 1, sem="release", scope="gpu")
                 else:
                     if DEFER_RELEASE:
-                        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+                        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
                     if RACE:
                         control = control_ptr + local * _CONTROL_WORDS
                         mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, col_block,
@@ -439,10 +442,10 @@ def fc2_combine_kernel(
                     tl.debug_barrier()
                     pending_source, pending_token, pending = release_or_defer(
                         source, token, mask_m, pending_source, pending_token, pending, arena, anchor_rank,
-                        DEFER_RELEASE)
+                        DEFER_RELEASE, SCOPE)
             task = claim_task(control_ptr, _CTL_FC2_TASKS)
         if DEFER_RELEASE:
-            release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank)
+            release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
 
     if PRESUM:
         if do_send != 0:
@@ -450,7 +453,7 @@ def fc2_combine_kernel(
             task = claim_task(control_ptr, _CTL_SEND_TASKS)
             while task < total:
                 presum_task(task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks,
-                            timeout, NUM_LOCAL, WORLD, DIM, TOP_K, KP, SCORE_BEFORE, BM, BT, BD, USE_TIMER)
+                            timeout, NUM_LOCAL, WORLD, DIM, TOP_K, KP, SCORE_BEFORE, BM, BT, BD, USE_TIMER, SCOPE)
                 task = claim_task(control_ptr, _CTL_SEND_TASKS)
 
     if STAGED:
@@ -459,7 +462,7 @@ def fc2_combine_kernel(
             task = claim_task(control_ptr, _CTL_SEND_TASKS)
             while task < total:
                 send_task(task, rank_base, control_ptr, route, y_ptr, y_rank_stride, arena, anchor_rank, col_blocks,
-                          timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER, WORLD, RACE, COL_BLOCKS)
+                          timeout, NUM_LOCAL, DIM, TOP_K, BM, BD, USE_TIMER, WORLD, RACE, COL_BLOCKS, SCOPE)
                 task = claim_task(control_ptr, _CTL_SEND_TASKS)
 
     if do_reduce != 0:
@@ -473,9 +476,9 @@ def fc2_combine_kernel(
         while task < total:
             if PRESUM:
                 presum_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, out_ptr, out_rank_stride,
-                                   arena, anchor_rank, timeout, WORLD, DIM, TOP_K, KP, BT, BD, USE_TIMER)
+                                   arena, anchor_rank, timeout, WORLD, DIM, TOP_K, KP, BT, BD, USE_TIMER, SCOPE)
             else:
                 reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, out_ptr, out_rank_stride,
                             arena, anchor_rank, arrivals_per_token, timeout, DIM, TOP_K, SCORE_BEFORE, BT, BD,
-                            USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS)
+                            USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS, SCOPE)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

@@ -496,7 +496,7 @@ def exchange_counts_kernel(
             abort = abort_word(arena, anchor_rank, rank)
             for source in range(WORLD):
                 if has_failed(control) == 0:
-                    seen, stopped = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER)
+                    seen, stopped = wait_counter_at_least(flags + source, epoch, abort, timeout, USE_TIMER, "sys")
                     if seen < epoch:
                         wait_failed(control, arena, anchor_rank, rank, -1, _WAIT_COUNTS_FLAG, source, epoch, seen,
                                     stopped, timeout, WORLD, USE_TIMER)

@@ -3,8 +3,13 @@
 Cross-rank signals are counters in a rank's symmetric *arena*
 (``runtime.workspace``): a producer writes data with plain stores, then
 ``tl.debug_barrier()`` (every thread's stores ordered before the signal) and
-bumps the counter with a ``release`` atomic at system scope; a consumer polls
-with ``acquire`` atomics at system scope and reads the data after a barrier.
+bumps the counter with a ``release`` atomic; a consumer polls with
+``acquire`` atomics and reads the data after a barrier. Both are at system
+scope when some rank of the EP group is another GPU, and at GPU scope when
+every rank's buffers are on this GPU (one rank, or a simulated world):
+``sync_scope``. The kernels take the scope as the constexpr ``SCOPE``; on
+sm_90 a system-scope release is a ``MEMBAR.ALL.SYS`` before the atomic, a
+GPU-scope one a ``MEMBAR.ALL.GPU``.
 Data a peer wrote is read with ``cache_modifier=".cg"`` (L2 only): the L1 is
 not coherent, and a neighbouring tile may have pulled the line in before the
 peer wrote it.
@@ -187,6 +192,14 @@ class Route(NamedTuple):
     tables: torch.Tensor  # (L, ROUTE_TABLE_ROWS, E) int32 per-expert tables
 
 
+def sync_scope(num_local_ranks: int, world_size: int) -> str:
+    """The memory scope of the kernels' releases and acquires (their
+    ``SCOPE``): ``"gpu"`` when every rank of the world is in this launch
+    (one rank, or a simulated world: no other GPU reads or writes these
+    buffers), ``"sys"`` otherwise (peers on other GPUs, over NVLink)."""
+    return "gpu" if num_local_ranks == world_size else "sys"
+
+
 @triton.jit
 def arena_ptr(anchor, arena, anchor_rank, rank, offset):
     """Typed pointer to element ``offset`` of ``rank``'s arena (``rank`` may be
@@ -259,7 +272,7 @@ def fail_world(control, arena, anchor_rank, rank, task, what, index, expected, s
             tl.atomic_xchg(abort_word(arena, anchor_rank, peer), code, sem="release", scope="sys")
     else:
         own = abort_word(arena, anchor_rank, rank)
-        wait_counter_at_least(own, 1, own, timeout, USE_TIMER)  # (the abort word is its own stop)
+        wait_counter_at_least(own, 1, own, timeout, USE_TIMER, "sys")  # (the abort word is its own stop)
 
 
 @triton.jit
@@ -276,12 +289,12 @@ def wait_failed(control, arena, anchor_rank, rank, task, what, index, expected, 
 
 
 @triton.jit
-def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.constexpr):
-    """Poll ``*counter`` (acquire, system scope) until it reaches ``expected``,
+def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.constexpr, SCOPE: tl.constexpr):
+    """Poll ``*counter`` (acquire at ``SCOPE``: ``sync_scope``) until it reaches ``expected``,
     ``timeout`` passes or the abort word ``*abort`` is set; returns the last
     value seen and the last abort word read (nonzero: the wait stopped on it;
     the abort word is read only while the counter is short)."""
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope=SCOPE)
     if USE_TIMER:
         start = globaltimer()
         limit = timeout.to(tl.int64) * 1000
@@ -291,7 +304,7 @@ def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.const
     elapsed = start - start
     stop = tl.full([], 0, tl.int64)
     while (seen < expected) & (elapsed < limit) & (stop == 0):
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope=SCOPE)
         stop = tl.load(abort, volatile=True)
         if USE_TIMER:
             elapsed = globaltimer() - start
@@ -302,11 +315,12 @@ def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.const
 
 
 @triton.jit
-def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: tl.constexpr):
+def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: tl.constexpr,
+                           SCOPE: tl.constexpr):
     """Block version of ``wait_counter_at_least``: poll every ``counters[i]``
     under ``mask`` until all reach ``expected`` (or the timeout, or the abort
     word); returns the values seen and the last abort word read."""
-    seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
+    seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope=SCOPE)
     missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
     if USE_TIMER:
         start = globaltimer()
@@ -317,7 +331,7 @@ def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: 
     elapsed = start - start
     stop = tl.full([], 0, tl.int64)
     while (missing > 0) & (elapsed < limit) & (stop == 0):
-        seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope="sys")
+        seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope=SCOPE)
         missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
         stop = tl.load(abort, volatile=True)
         if USE_TIMER:
@@ -447,6 +461,7 @@ def dispatch_task(
     anchor_rank, silent_rank, part,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr, USE_TIMER: tl.constexpr, RACE: tl.constexpr,
+    SCOPE: tl.constexpr,
 ):
     """``BT`` tokens of one source rank, for the destinations ``part`` selects
     (``dispatch_part``): each token's row (``ROW_PARTS`` = 1: its x row;
@@ -524,7 +539,7 @@ def dispatch_task(
             tl.store(stamps + slot, tl.zeros_like(slot) + epoch, mask=ok)
         tl.debug_barrier()  # every thread's row and slot stores before any arrival
         tile_arrivals = arena_ptr(arena.i32, arena, anchor_rank, peer, arena.tile_arrivals)
-        tl.atomic_add(tile_arrivals + tile, 1, mask=ok, sem="release", scope="sys")
+        tl.atomic_add(tile_arrivals + tile, 1, mask=ok, sem="release", scope=SCOPE)
 
 
 @triton.jit
@@ -533,7 +548,7 @@ def dispatch_tasks(
     num_dispatch_programs, local_first,
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr, USE_TIMER: tl.constexpr,
-    RACE: tl.constexpr,
+    RACE: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """A megakernel's dispatch phase: the first ``num_dispatch_programs``
     programs claim dispatch tasks until none is left. With ``local_first``,
@@ -553,7 +568,7 @@ def dispatch_tasks(
             while task < total:
                 dispatch_task(task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr,
                               route, arena, anchor_rank, silent_rank, part, WORLD, DIM, TOP_K, BT, BD, KP,
-                              ROW_PARTS, PRESUM, USE_TIMER, RACE)
+                              ROW_PARTS, PRESUM, USE_TIMER, RACE, SCOPE)
                 task = claim_task(control_ptr, counter)
 
 
@@ -575,7 +590,8 @@ def grouped_tile_task(task, num_tiles, col_blocks, GROUP_M: tl.constexpr):
 @triton.jit
 def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, use_order, timeout,
                    NUM_LOCAL: tl.constexpr, GROUP_M: tl.constexpr, WAIT: tl.constexpr, USE_TIMER: tl.constexpr,
-                   WORLD: tl.constexpr, BM: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr):
+                   WORLD: tl.constexpr, BM: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr,
+                   SCOPE: tl.constexpr):
     """Decode a GEMM tile task (local ranks interleaved: task -> (task % L,
     task // L); per rank, ``grouped_tile_task``; ``use_order``: tiles in
     ``route.tile_order``, local_first) and, ``WAIT``, wait (bounded) until
@@ -609,7 +625,7 @@ def gemm_tile_task(task, route, arena, anchor_rank, rank_base, control_ptr, col_
             arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals) + tile
             target = m1 - m0 - SLACK
             seen, stopped = wait_counter_at_least(arrivals, target, abort_word(arena, anchor_rank, rank), timeout,
-                                                  USE_TIMER)
+                                                  USE_TIMER, SCOPE)
             if seen < target:
                 if RACE:
                     race_note(control, 0, _RACE_SKIPPED)
@@ -659,16 +675,17 @@ def matrix_descriptor(ptr, rows, COLS: tl.constexpr, BR: tl.constexpr, BC: tl.co
 
 
 @triton.jit
-def release_token_arrivals(source, token, mask, arena, anchor_rank):
-    """One release arrival per stored row on its source's ``token_arrivals[t]``
-    (the caller put a barrier between the row stores and this)."""
+def release_token_arrivals(source, token, mask, arena, anchor_rank, SCOPE: tl.constexpr):
+    """One release arrival (at ``SCOPE``: ``sync_scope``) per stored row on its
+    source's ``token_arrivals[t]`` (the caller put a barrier between the row
+    stores and this)."""
     arrivals = arena_ptr(arena.i32, arena, anchor_rank, source, arena.token_arrivals)
-    tl.atomic_add(arrivals + token, 1, mask=mask, sem="release", scope="sys")
+    tl.atomic_add(arrivals + token, 1, mask=mask, sem="release", scope=SCOPE)
 
 
 @triton.jit
 def release_or_defer(source, token, rows, pending_source, pending_token, pending, arena, anchor_rank,
-                     DEFER: tl.constexpr):
+                     DEFER: tl.constexpr, SCOPE: tl.constexpr):
     """After a tile's row stores (and a barrier): release their arrivals now,
     or (``DEFER``) keep them pending until the program's next tile has run
     its K-loop, by which time the stores have landed and the system-scope
@@ -680,13 +697,13 @@ def release_or_defer(source, token, rows, pending_source, pending_token, pending
         pending_token = token
         pending = rows
     else:
-        release_token_arrivals(source, token, rows, arena, anchor_rank)
+        release_token_arrivals(source, token, rows, arena, anchor_rank, SCOPE)
     return pending_source, pending_token, pending
 
 
 @triton.jit
 def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, expected, timeout,
-                    USE_TIMER: tl.constexpr, WORLD: tl.constexpr, PER_TOKEN: tl.constexpr = False,
+                    USE_TIMER: tl.constexpr, WORLD: tl.constexpr, SCOPE: tl.constexpr, PER_TOKEN: tl.constexpr = False,
                     RACE: tl.constexpr = False, SLACK: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
                     COL_BLOCKS: tl.constexpr = 1):
     """A reduce task's wait (bounded) until each of its tokens ``offs_t``
@@ -699,7 +716,7 @@ def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, exp
     arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals) + offs_t
     target = expected - SLACK
     seen, stopped = wait_counters_at_least(arrivals, mask_t, target, abort_word(arena, anchor_rank, rank), timeout,
-                                           USE_TIMER)
+                                           USE_TIMER, SCOPE)
     short = mask_t & (seen < target)
     failed = tl.max(short.to(tl.int32)) > 0
     if failed:

@@ -48,6 +48,7 @@ import triton
 from ..kernels.da_combine import da_combine_kernel
 from ..kernels.dispatch_dh import dispatch_dh_kernel, swiglu_backward_kernel
 from ..kernels.route import ROW_EXPERT_BASE, ROW_ROWS
+from ..kernels.scoreboard import sync_scope
 from ..kernels.wgrad import gather_slot_rows_kernel, wgrad_kernel
 from ..params import WGRAD_BACKENDS, LayerParams
 from .launch import (
@@ -355,7 +356,8 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
     shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=dim, HIDDEN=hidden, TOP_K=top_k,
                       KP=triton.next_power_of_2(top_k), SCORE_BEFORE=score_before, GROUP_M=p.group_m,
                       BT=p.reduce_block_tokens, PRECISION=precision(ws), USE_TIMER=use_timer(ws),
-                      RACE=p.debug_race, SLACK=p.debug_wait_slack)
+                      RACE=p.debug_race, SLACK=p.debug_wait_slack,
+                      SCOPE=sync_scope(ws.num_local_ranks, s.world_size))
 
     # The dH tile is a plain GEMM tile (128 registers): two programs per SM
     # let one's fp32 G stores overlap the other's K-loop. (Every program

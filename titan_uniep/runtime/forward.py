@@ -39,6 +39,7 @@ import triton
 
 from ..kernels.dispatch_fc1 import dispatch_fc1_kernel
 from ..kernels.fc2_combine import fc2_combine_kernel
+from ..kernels.scoreboard import sync_scope
 from ..layout import RouteLayout, token_destinations
 from ..params import LayerParams
 from .launch import (
@@ -233,7 +234,7 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
     shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
                       KP=triton.next_power_of_2(s.top_k), SCORE_BEFORE=score_before, GROUP_M=p.group_m,
                       PRECISION=precision(ws), USE_TIMER=use_timer(ws), PRESUM=presum, RACE=p.debug_race,
-                      SLACK=p.debug_wait_slack)
+                      SLACK=p.debug_wait_slack, SCOPE=sync_scope(ws.num_local_ranks, s.world_size))
 
     def dispatch_fc1(do_dispatch: int, do_fc1: int, dispatch_programs: int) -> None:
         dispatch_fc1_kernel[grid](
