@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--real-path", action="store_true", help="world 1: also time moe_forward on a one-rank group")
+    ap.add_argument("--forward-only", action="store_true", help="time the fused forward only (bits: forward and "
+                    "every gradient, as always)")
     args = ap.parse_args()
 
     t, d, h, e, k = SHAPES[args.shape] if args.shape in SHAPES else map(int, args.shape.split(","))
@@ -93,6 +95,8 @@ def main() -> None:
         for i in order:
             p = points[i]
             times[(i, "fwd")].append(time_ms(forward(p, "fused"), 2, args.reps))
+            if args.forward_only:
+                continue
             times[(i, "bwd")].append(time_ms(backward(p, "fused"), 2, args.reps))
             times[(i, "fwd_seq")].append(time_ms(forward(p, "sequential"), 1, args.reps))
             times[(i, "bwd_seq")].append(time_ms(backward(p, "sequential"), 1, args.reps))
@@ -107,9 +111,11 @@ def main() -> None:
     print(f"{'variant':60s} {'fwd':>8s} {'bwd':>8s} {'fwd seq':>8s} {'bwd seq':>8s}  bits")
     for i, (change, p) in enumerate(zip(json.loads(args.variants), points)):
         same = all(torch.equal(a, b) for a, b in zip(reference, results(p)))
-        med = {what: statistics.median(times[(i, what)]) for what in ("fwd", "bwd", "fwd_seq", "bwd_seq")}
+        med = {what: statistics.median(times[(i, what)]) if times[(i, what)] else None
+               for what in ("fwd", "bwd", "fwd_seq", "bwd_seq")}
         label = json.dumps(change) if change else "default"
-        print(f"{label[:60]:60s} {med['fwd']:8.3f} {med['bwd']:8.3f} {med['fwd_seq']:8.3f} {med['bwd_seq']:8.3f}  "
+        cols = " ".join("       -" if med[w] is None else f"{med[w]:8.3f}" for w in ("fwd", "bwd", "fwd_seq", "bwd_seq"))
+        print(f"{label[:60]:60s} {cols}  "
               f"{'= baseline' if same else 'DIFFER'}", flush=True)
         print("JSON " + json.dumps(dict(shape=args.shape, tokens=t, world=world, variant=change, **med,
                                         bitwise_equal_to_baseline=same)))

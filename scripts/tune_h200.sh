@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measured tuning on one GPU (an H200), from the repository root of a clean
-# clone, in about 9 minutes of wall time:
+# clone, in about 10 minutes of wall time:
 #
 #   calibrate  the tuning model's hardware constants (titan_uniep.tuning.calibrate)
 #   tune       python -m titan_uniep.tune on the five tuning shapes at EP 1
@@ -13,13 +13,15 @@
 #   STEPS="tune report" SHAPES=qwen3_1gpu,odd_dim TOP=6 bash scripts/tune_h200.sh
 #   CALIBRATE_ARGS="--tiles grid" bash scripts/tune_h200.sh     # every grid tile measured
 #
-# Every step runs under a timeout (CALIBRATE_S 170, TUNE_S 250, REPORT_S 100 per
-# bench), cut to what is left of TOTAL_S (default 540 s), so the results come
+# Every step runs under a timeout (CALIBRATE_S 170, TUNE_S 420, REPORT_S 100 per
+# bench), cut to what is left of TOTAL_S (default 600 s), so the results come
 # back even when a step runs long; the tuner writes its cache after every
 # shape, so a cut tuning run still reports the shapes it finished. To split
 # the work over two calls on a warm machine, give both the same WORK folder:
-#   WORK=/tmp/uniep-tune-work STEPS="calibrate tune" TOP=6 bash scripts/tune_h200.sh
-#   WORK=/tmp/uniep-tune-work STEPS=report bash scripts/tune_h200.sh
+#   WORK=/tmp/uniep-tune-work STEPS=calibrate CALIBRATE_ARGS="--tiles grid" bash scripts/tune_h200.sh
+#   WORK=/tmp/uniep-tune-work STEPS="tune report" bash scripts/tune_h200.sh
+# (the second reads the first's $WORK/constants.json; copy it into a new WORK
+# folder if the machine was not kept between the calls)
 # Results in $OUT (default /tmp/uniep-tune), at most 8 files: summary.txt, tuning.json,
 # constants.json, forward.md, backward.md, tune.log, and results.tar.gz with
 # everything (logs, JSON lines, the PNG plots).
@@ -31,7 +33,7 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVL
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/uniep-triton-cache}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 START=$SECONDS
-TOTAL_S=${TOTAL_S:-540}
+TOTAL_S=${TOTAL_S:-600}
 OUT=${OUT:-/tmp/uniep-tune}
 WORK=${WORK:-$(mktemp -d /tmp/uniep-tune-work.XXXXXX)}
 WHEELS=${WHEELS:-.gpu-wheels}
@@ -75,7 +77,7 @@ for step in $STEPS; do
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
         shape_args=()
         for s in ${SHAPES//,/ }; do shape_args+=(--shape "$s"); done
-        timeout "$(budget "${TUNE_S:-250}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-3}" \
+        timeout "$(budget "${TUNE_S:-420}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-3}" \
             --warmup "${WARMUP:-2}" --reps "${REPS:-5}" --rounds "${ROUNDS:-2}" ${CONSTANTS[@]+"${CONSTANTS[@]}"} \
             --cache "$WORK/tuning.json" --json-out "$WORK/tune.jsonl" > "$WORK/tune.log" 2>&1 || status=1
         grep -E "^==|^\||picked|entry:|BROKEN|Error|wrote|seconds" "$WORK/tune.log" | cut -c1-220 | tail -60 ;;

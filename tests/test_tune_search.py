@@ -46,10 +46,15 @@ def fake_model(monkeypatch):
     space.FIELDS = {
         "block_m": _field("schedule", "all"),
         "dispatch_programs": _field("schedule", "dispatch"),
+        "fc1_block_n": _field("schedule", "fc1"),
+        "fc1_num_warps": _field("schedule", "fc1"),
         "fc2_block_n": _field("schedule", "fc2"),
+        "fc2_tma": _field("schedule", "fc2"),
         "fc1_block_k": _field("numerics", "fc1"),
         "combine": _field("mixed", "combine", lambda v: v == "presum"),
         "da_num_warps": _field("schedule", "da"),
+        "da_block_n": _field("schedule", "da"),
+        "reduce_block_tokens": _field("schedule", "reduce"),
         "timeout_s": _field("fixed", "all"),
     }
     space.points, space.times = [], None
@@ -83,15 +88,15 @@ def test_candidates_are_the_default_then_the_best_distinct_projected_points(fake
         base.replace(combine="staged", timeout_s=5.0),  # staged keeps the bits; timeouts are never tuned
         base.replace(block_m=64),
     ]
-    options = tune.SearchOptions(top=3)
+    options = tune.SearchOptions(top=3, neighbours=False)
     got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", options, None)]
     assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=32),
                    base.replace(combine="staged")]
     got = [p for p, _ in tune.candidates(LAYER, None, 1, "backward", options, None)]
     assert got == [base, base.replace(da_num_warps=8), base.replace(dispatch_programs=32),
                    base.replace(block_m=64)]
-    numerics = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=9, numerics=True),
-                                              None)]
+    numerics = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=9, numerics=True,
+                                                                                        neighbours=False), None)]
     assert base.replace(fc1_block_k=32, dispatch_programs=32) in numerics and base.replace(combine="presum") in numerics
 
 
@@ -103,8 +108,46 @@ def test_of_points_the_model_cannot_tell_apart_the_simplest_is_measured(fake_mod
                          base.replace(dispatch_programs=64, block_m=64),
                          base.replace(dispatch_programs=16)]
     fake_model.times = [2.0, 2.0, 2.001, 3.0, 4.0]
-    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=2), None)]
+    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=2, neighbours=False),
+                                         None)]
     assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=64, block_m=64)]
+
+
+def test_neighbours_swap_one_gemm_stage_of_the_models_best_and_the_measured_best_choices_combine(fake_model):
+    base = default_params(1, hidden=768)
+    fake_model.GRID_STAGES = {
+        ("fc1_block_n", "fc1_num_warps"): ((128, 8), (64, 4)),
+        ("fc2_block_n", "fc2_tma"): ((128, False), (128, True), (256, False), (16, False)),
+        ("da_block_n",): ((128,), (64,)),
+        ("reduce_block_tokens",): ((16,), (32,)),
+    }
+    fake_model.repeats_another = lambda point, shape: point.fc2_tma and point.fc2_block_n == 256
+    best = base.replace(dispatch_programs=32)
+    fake_model.points = [best, base.replace(block_m=64)]
+    out = []
+    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=1), None, best_out=out)]
+    assert out == [best]
+    # the default, the model's best, then each other fc1 and fc2 choice on the best (fc2 16 wide is
+    # infeasible in the fake space; backward and reduce stages are not forward neighbours)
+    assert got == [base, best, best.replace(fc1_block_n=64, fc1_num_warps=4), best.replace(fc2_tma=True),
+                   best.replace(fc2_block_n=256)]
+    back = [p for p, _ in tune.candidates(LAYER, None, 1, "backward", tune.SearchOptions(top=1), None)]
+    assert back == [base, best, best.replace(da_block_n=64)]
+    # No model point at all: the neighbours are the default's.
+    fake_model.points = []
+    out = []
+    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=1), None, best_out=out)]
+    assert out == [base] and got[0] == base and got[1] == base.replace(fc1_block_n=64, fc1_num_warps=4)
+
+    # The combination takes each stage's fastest choice that beat the best, and only those.
+    fc1 = best.replace(fc1_block_n=64, fc1_num_warps=4)
+    tma, wide = best.replace(fc2_tma=True), best.replace(fc2_block_n=256)
+    measured = {base: 2.6, best: 2.5, fc1: 2.4, tma: 2.45, wide: 2.3, base.replace(block_m=64): 1.0}
+    assert tune.combined_choices(best, measured, "forward") == best.replace(fc1_block_n=64, fc1_num_warps=4,
+                                                                            fc2_block_n=256)
+    measured.update({fc1: 2.6, wide: None})
+    assert tune.combined_choices(best, measured, "forward") == tma  # fc1's choice lost, wide failed
+    assert tune.combined_choices(best, {best: None, tma: 1.0}, "forward") == best  # the best failed: no step
 
 
 def test_pick_takes_the_fastest_point_with_the_default_bits():
@@ -186,3 +229,43 @@ def test_config_layers_reads_the_moe_shape_of_a_train_config():
     assert ep == 2
     assert [(l.dims, l.score_before_experts, l.dtype) for l in layers] == [
         ((2 * 4096, 2048, 768, 128, 8), False, torch.bfloat16)]
+
+
+def test_the_confirmation_run_takes_the_fastest_the_default_and_the_combined_choices(fake_model):
+    base = default_params(1, hidden=768)
+    fake_model.GRID_STAGES = {
+        ("fc1_block_n", "fc1_num_warps"): ((128, 8), (64, 4)),
+        ("fc2_block_n", "fc2_tma"): ((128, False), (128, True)),
+    }
+    fake_model.repeats_another = lambda point, shape: False
+    best = base.replace(dispatch_programs=32)
+    fc1, tma = best.replace(fc1_block_n=64, fc1_num_warps=4), best.replace(fc2_tma=True)
+    names = {p: tune.label(p, base) for p in (base, best, fc1, tma)}
+    points = {names[p]: p for p in names}
+
+    def timed(default_ms, best_ms, fc1_ms, tma_ms):
+        return dict(zip(points, (default_ms, best_ms, fc1_ms, tma_ms)))
+
+    times = timed(2.6, 2.5, 2.45, 2.4)
+    plain = tune.SearchOptions(neighbours=False)
+    assert tune.confirmation_set(times, points, base, best, "forward", plain, None, None) == \
+        (["default", names[tma]], {})
+    # With neighbours: also the model's best with both stages' faster choices, a new point.
+    final, new = tune.confirmation_set(times, points, base, best, "forward", tune.SearchOptions(), None, None)
+    both = best.replace(fc1_block_n=64, fc1_num_warps=4, fc2_tma=True)
+    assert new == {tune.label(both, base): both} and final == ["default", names[tma], tune.label(both, base)]
+    # One stage's choice beat the best: that neighbour, already measured, is confirmed, not a new point.
+    final, new = tune.confirmation_set(timed(2.6, 2.5, 2.7, 2.55), points, base, best, "forward",
+                                       tune.SearchOptions(), None, None)
+    assert final == ["default", names[best]] and new == {}
+    final, new = tune.confirmation_set(timed(2.6, 2.5, 2.7, 2.45), points, base, best, "forward",
+                                       tune.SearchOptions(), None, None)
+    assert final == ["default", names[tma]] and new == {}
+    # The default is the fastest and no stage choice beat the best: nothing to confirm (no second run).
+    final, new = tune.confirmation_set(timed(2.0, 2.5, 2.6, None), points, base, best, "forward",
+                                       tune.SearchOptions(), None, None)
+    assert final == ["default"] and new == {}
+    # A combination the space rejects is not measured.
+    fake_model.feasible = lambda point, shape, hw: "too big" if point == both else None
+    assert tune.confirmation_set(times, points, base, best, "forward", tune.SearchOptions(), None, None) == \
+        (["default", names[tma]], {})

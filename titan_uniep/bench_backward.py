@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from datetime import date
 
 import torch
 import torch.distributed as dist
@@ -149,8 +150,9 @@ def bench_shape(name, shape, args, group, mesh, dev):
     w1, w2, w3, w1l, w2l, w3l = (inputs[n] for n in ("w1", "w2", "w3", "w1l", "w2l", "w3l"))
     gen = torch.Generator(device=dev).manual_seed(4321 + rank)  # the GEMM-only path's own inputs
     score_before = args.score_before
-    result = {"shape": name, "T": num_tokens, "D": dim, "H": hidden, "E": num_experts, "K": top_k, "world": world,
-              "score_before": score_before, "dtype": "bf16", "gpu": torch.cuda.get_device_name(dev)}
+    result = {"date": str(date.today()), "shape": name, "T": num_tokens, "D": dim, "H": hidden, "E": num_experts,
+              "K": top_k, "world": world, "score_before": score_before, "dtype": "bf16",
+              "gpu": torch.cuda.get_device_name(dev)}
     sizes = dict(num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, dtype=dtype,
                  device=dev)
     fwd_ws = Workspace.for_group(group, **sizes)

@@ -12,14 +12,21 @@ context_parallel_degree``), per direction:
    ``--constants``) ranks the grid of ``tuning.space`` by the direction's
    predicted time; the first ``--top`` distinct points, projected on the
    fields that direction reads and on the schedule fields (unless
-   ``--numerics``), and the shipped default are the candidates;
+   ``--numerics``), the shipped default and (unless
+   ``--no-neighbours``) every one-stage neighbour of the model's best point (its tile
+   choice of one of the direction's GEMM stages swapped for another of the
+   grid's) are the candidates: the model ranks the grid, the measurement
+   decides between the tile choices it cannot tell apart;
 2. each candidate is measured on the real path on this EP group (the
    process group of the launch: plain python is EP 1): ``moe_forward``
    saving h1 | h3, as the custom op runs it, and ``moe_backward`` reading
    them, each point on a workspace built with it, in ``--rounds`` rounds of
    alternating order (``timing.time_alternating``), median of ``--reps``
    calls of the slowest rank;
-3. the fastest point, if it beats the default by ``--min-gain``, must give
+3. the fastest point is measured again against the default (with the
+   neighbours, also the model's best with each GEMM stage's fastest
+   choice: ``combined_choices``) in a confirmation run; of those, the
+   fastest in that run, if it beats the default by ``--min-gain``, must give
    the default's bits on the measured inputs (forward output and h1 | h3,
    every gradient); a point that does not is never cached (a schedule point
    that does not is a broken contract: the tuner reports it and exits 1);
@@ -92,6 +99,7 @@ class SearchOptions:
     reps: int = 10
     rounds: int = 2
     min_gain: float = 0.02
+    neighbours: bool = True
     schedule: str = "fused"
     constants: str = ""
     progress: bool = True
@@ -210,13 +218,16 @@ TIE_SCAN = 256
 
 
 def candidates(layer: MoELayer, stats, world: int, direction: str, options: SearchOptions, hw,
-               ranked: list[tuple] | None = None) -> list[tuple]:
+               ranked: list[tuple] | None = None, best_out: list | None = None) -> list[tuple]:
     """``[(params, prediction)]``: the default, then the model's best
     ``options.top`` distinct feasible points of ``direction``, projected
-    (``project``) from ``ranked`` (``ranked_points``, computed if None). Of
-    points whose predicted times tie (``TIE``), only the one that changes
-    the fewest fields is kept: measuring several points the model cannot
-    tell apart would spend the search on one guess."""
+    (``project``) from ``ranked`` (``ranked_points``, computed if None), then
+    (``options.neighbours``) the feasible one-stage neighbours of the first
+    of them (``stage_neighbours``; of the default if there is none), which
+    is appended to ``best_out`` when given. Of points whose predicted times
+    tie (``TIE``), only the one that changes the fewest fields is kept:
+    measuring several points the model cannot tell apart would spend the
+    search on one guess."""
     from .tuning.model import predict
     from .tuning.space import feasible
 
@@ -245,10 +256,101 @@ def candidates(layer: MoELayer, stats, world: int, direction: str, options: Sear
         seen.add(point)
         chosen.append((point, pred))
         last_ms, scanned = ms, 0
+    best = chosen[1][0] if len(chosen) > 1 else default
+    if best_out is not None:
+        best_out.append(best)
+    if options.neighbours:
+        for point in stage_neighbours(best, shape, direction):
+            point = project(point, default, direction, options.numerics)
+            if point is None or point in seen or feasible(point, shape, hw) is not None:
+                continue
+            seen.add(point)
+            chosen.append((point, None))
     return [(point, predict(shape, stats, world, point, hw, schedule=options.schedule)) for point, _ in chosen]
 
 
+# The GEMM stages whose tile choices (tuning.space.GRID_STAGES) each direction's neighbours swap.
+NEIGHBOUR_STAGES = {"forward": ("fc1", "fc2"), "backward": ("dh", "da")}
+
+
+def stage_neighbours(point: LayerParams, shape, direction: str) -> list[LayerParams]:
+    """``point`` with the tile choice of one GEMM stage of ``direction``
+    replaced by each other choice of the grid (``GRID_STAGES``), one stage
+    at a time; choices that repeat another point on ``shape`` are left out."""
+    from .tuning.space import GRID_STAGES, repeats_another
+
+    out = []
+    for names, combos in GRID_STAGES.items():
+        if names[0].split("_")[0] not in NEIGHBOUR_STAGES[direction]:
+            continue
+        for combo in combos:
+            changes = dict(zip(names, combo))
+            if all(getattr(point, k) == v for k, v in changes.items()):
+                continue
+            try:
+                near = point.replace(**changes)
+            except ValueError:
+                continue
+            if not repeats_another(near, shape):
+                out.append(near)
+    return out
+
+
+def combined_choices(best: LayerParams, measured: dict[LayerParams, float | None], direction: str
+                     ) -> LayerParams:
+    """``best`` (the model's best point) with, for each GEMM stage of
+    ``direction``, the tile choice of the fastest measured point that
+    differs from ``best`` only in that stage's choice, where it beat ``best``
+    (a step of coordinate descent over the stages' measured neighbours)."""
+    from .tuning.space import GRID_STAGES
+
+    base_ms = measured.get(best)
+    if base_ms is None:
+        return best
+    adopted = {}
+    for names in GRID_STAGES:
+        if names[0].split("_")[0] not in NEIGHBOUR_STAGES[direction]:
+            continue
+        own = {k: getattr(best, k) for k in names}
+        fastest, fastest_ms = None, base_ms
+        for point, ms in measured.items():
+            if ms is None or ms >= fastest_ms or point == best:
+                continue
+            if point.replace(**own) == best:
+                fastest, fastest_ms = point, ms
+        if fastest is not None:
+            adopted.update({k: getattr(fastest, k) for k in names})
+    return best.replace(**adopted)
+
+
 # ---- the measured side -------------------------------------------------------------------
+
+
+def confirmation_set(times: dict[str, float | None], points: dict[str, LayerParams], default: LayerParams,
+                     best: LayerParams, direction: str, options: SearchOptions, shape, hw
+                     ) -> tuple[list[str], dict[str, LayerParams]]:
+    """What the confirmation run measures after the first (``times`` by the
+    names of ``points``, the measured candidates; "default" among them): the
+    default, the fastest point, and (``options.neighbours``) the model's
+    ``best`` with each GEMM stage's fastest choice where one beat it
+    (``combined_choices``, projected; if feasible). Of many noisy measurements the fastest is
+    partly luck; a run of its own does not share that luck, and the pick
+    compares these points on that run's figures only. Returns the names to
+    measure (just the default: no run) and the new points among them."""
+    from .tuning.space import feasible
+
+    measured = [n for n in times if times[n] is not None]
+    final = list(dict.fromkeys(["default", *sorted(measured, key=lambda n: times[n])[:1]]))
+    new = {}
+    if options.neighbours:
+        combined = combined_choices(best, {p: times.get(n) for n, p in points.items()}, direction)
+        combined = project(combined, default, direction, options.numerics) if combined != best else None
+        if combined is not None and feasible(combined, shape, hw) is None:
+            name = label(combined, default)
+            if name not in points:
+                new[name] = combined
+            final = list(dict.fromkeys([*final, name]))
+    return final, new
 
 
 def changed_fields(point: LayerParams, base: LayerParams) -> dict[str, object]:
@@ -296,6 +398,7 @@ def equal_everywhere(pairs, group: dist.ProcessGroup, device) -> bool:
 def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptions) -> SearchResult:
     """Measure ``layer``'s candidates on ``group`` (every rank calls it) and
     return the entry for the cache (module docstring). GPU only."""
+    from .tuning.model import predict
     from .tuning.space import keeps_bits
 
     if not torch.cuda.is_available():
@@ -314,8 +417,11 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
     default = default_params(world, hidden=layer.hidden)
     sizes = dict(num_tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden, num_experts=layer.num_experts,
                  top_k=layer.top_k, dtype=layer.dtype, device=dev)
+    shape = layer_shape(layer, world)
     ranked = ranked_points(layer, stats, world, options, hw)
-    cands = {d: {label(p, default): (p, pred) for p, pred in candidates(layer, stats, world, d, options, hw, ranked)}
+    model_best = {d: [] for d in ("forward", "backward")}
+    cands = {d: {label(p, default): (p, pred)
+                 for p, pred in candidates(layer, stats, world, d, options, hw, ranked, model_best[d])}
              for d in ("forward", "backward")}
     del ranked
     workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
@@ -372,8 +478,22 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
                                          group=group, on_error=failed, after_each=measured)
                 if times["default"] is None:
                     raise RuntimeError(f"{layer.name}: the default point failed ({'; '.join(result.problems)})")
+                final, new = confirmation_set(times, {n: p for n, (p, _) in points.items()}, default,
+                                              model_best[direction][0], direction, options, shape, hw)
+                for name, point in new.items():
+                    points[name] = (point, predict(shape, stats, world, point, hw, schedule=options.schedule))
+                first_ms = {}
+                if len(final) > 1:
+                    bar.total += len(final) * options.rounds
+                    again = time_alternating({n: (lambda p=points[n][0]: lambda: run(p)) for n in final},
+                                             warmup=options.warmup, reps=options.reps, rounds=options.rounds,
+                                             group=group, on_error=failed, after_each=measured)
+                    first_ms = {n: times.get(n) for n in final}
+                    times.update(again)
+                    if times["default"] is None:
+                        raise RuntimeError(f"{layer.name}: the default point failed ({'; '.join(result.problems)})")
                 chosen, notes, violations = pick(
-                    times, list(points), "default", options.min_gain,
+                    times, final, "default", options.min_gain,
                     lambda name: (same_bits(direction, points[name][0]),
                                   keeps_bits(points[name][0], default) is None))
             result.problems += [f"{direction} {note}" for note in notes]
@@ -381,7 +501,8 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
             picks[direction] = chosen
             result.table[direction] = [
                 {"point": name, "measured_ms": times[name], "predicted_ms": _predicted_ms(pred, direction),
-                 "picked": name == chosen} for name, (_, pred) in points.items()]
+                 "picked": name == chosen, **({"first_run_ms": first_ms[name]} if name in first_ms else {})}
+                for name, (_, pred) in points.items()]
     finally:
         bar.close()
         workspaces.clear()
@@ -410,6 +531,8 @@ def _predicted_ms(pred, direction: str) -> float:
 
 class _NoBar:
     """Stands in for tqdm where it is not installed (or not on rank 0)."""
+
+    total = 0
 
     def update(self, n: int) -> None:
         pass
@@ -509,6 +632,9 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=SearchOptions.warmup)
     parser.add_argument("--reps", type=int, default=SearchOptions.reps)
     parser.add_argument("--rounds", type=int, default=SearchOptions.rounds, help="rounds of alternating order")
+    parser.add_argument("--no-neighbours", action="store_true",
+                        help="measure only the model's top points and the default, not the one-stage neighbours "
+                             "of its best")
     parser.add_argument("--min-gain", type=float, default=SearchOptions.min_gain,
                         help="a point replaces the default only if at least this much faster (fraction)")
     parser.add_argument("--schedule", choices=("fused", "sequential"), default="fused")
@@ -533,7 +659,8 @@ def main(argv=None) -> None:
         dtype = DTYPES[args.dtype or "bf16"]
         layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in map(parse_shape, args.shape)]
     options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
-                            rounds=args.rounds, min_gain=args.min_gain, schedule=args.schedule,
+                            rounds=args.rounds, min_gain=args.min_gain, neighbours=not args.no_neighbours,
+                            schedule=args.schedule,
                             constants=args.constants, progress=not args.no_progress)
     path = args.cache or default_cache_path()
     results = []

@@ -70,6 +70,7 @@ __all__ = [
     "fixed_fields",
     "keeps_bits",
     "numerics_fields",
+    "repeats_another",
     "resources",
     "sample",
     "schedule_fields",
@@ -479,6 +480,19 @@ def _fits(point: LayerParams, shape: LayerShape, hw: HardwareConstants, kernels:
     return not any(_kernel_misfit(progs[k], hw) for k in kernels)
 
 
+def repeats_another(point: LayerParams, shape: LayerShape) -> bool:
+    """Whether ``point`` sets a field that has no effect on ``shape``, so that
+    it runs as another point does: descriptor loads where the kernel cannot
+    use them (not 16-bit data, or H not a multiple of what the descriptor
+    needs) and the deferred release without the direct combine."""
+    tma_ok = shape.dtype_bytes == 2
+    if point.fc2_tma and (not tma_ok or shape.hidden % 8):
+        return True
+    if point.da_tma and (not tma_ok or shape.hidden % point.da_block_k):
+        return True
+    return point.fc2_defer_release and point.combine != "direct"
+
+
 def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | None = None,
                      base: LayerParams | None = None, hw: HardwareConstants | None = None) -> Iterator[LayerParams]:
     """The grid the analytic model ranks for ``shape``: ``GRID_SHARED`` x one
@@ -509,7 +523,6 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
     numerics_names, numerics_choices = ((), [()])
     if numerics:
         (numerics_names, numerics_choices), = GRID_NUMERICS.items()
-    tma_ok = shape.dtype_bytes == 2
     count = 0
     for block_m in GRID_SHARED["block_m"]:
         for num_choice in numerics_choices:
@@ -527,18 +540,15 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
                     changes = dict(head)
                     for part in stage_choice:
                         changes.update(part)
-                    if changes["fc2_tma"] and (not tma_ok or shape.hidden % 8):
-                        continue
-                    if changes["da_tma"] and (not tma_ok or shape.hidden % changes.get("da_block_k", base.da_block_k)):
-                        continue
-                    if changes["fc2_defer_release"] and changes["combine"] != "direct":
-                        continue
                     if changes["combine"] == "presum" and changes["reduce_block_tokens"] > block_m:
                         continue
                     if (changes["combine"] == "staged"
                             and base.combine_send_programs >= grid * changes["fc2_programs_per_sm"]):
                         continue
-                    yield _build(base, changes)
+                    point = _build(base, changes)
+                    if repeats_another(point, shape):
+                        continue
+                    yield point
                     count += 1
                     if limit is not None and count >= limit:
                         return
