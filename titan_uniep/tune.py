@@ -273,16 +273,22 @@ def candidates(layer: MoELayer, stats, world: int, direction: str, options: Sear
 NEIGHBOUR_STAGES = {"forward": ("fc1", "fc2"), "backward": ("dh", "da")}
 
 
+def neighbour_axes(direction: str) -> dict[tuple[str, ...], tuple[tuple, ...]]:
+    """The ``GRID_STAGES`` entries (field names -> tile choices) of ``direction``'s GEMM stages."""
+    from .tuning.space import GRID_STAGES
+
+    return {names: combos for names, combos in GRID_STAGES.items()
+            if names[0].split("_")[0] in NEIGHBOUR_STAGES[direction]}
+
+
 def stage_neighbours(point: LayerParams, shape, direction: str) -> list[LayerParams]:
     """``point`` with the tile choice of one GEMM stage of ``direction``
     replaced by each other choice of the grid (``GRID_STAGES``), one stage
     at a time; choices that repeat another point on ``shape`` are left out."""
-    from .tuning.space import GRID_STAGES, repeats_another
+    from .tuning.space import repeats_another
 
     out = []
-    for names, combos in GRID_STAGES.items():
-        if names[0].split("_")[0] not in NEIGHBOUR_STAGES[direction]:
-            continue
+    for names, combos in neighbour_axes(direction).items():
         for combo in combos:
             changes = dict(zip(names, combo))
             if all(getattr(point, k) == v for k, v in changes.items()):
@@ -302,15 +308,11 @@ def combined_choices(best: LayerParams, measured: dict[LayerParams, float | None
     ``direction``, the tile choice of the fastest measured point that
     differs from ``best`` only in that stage's choice, where it beat ``best``
     (a step of coordinate descent over the stages' measured neighbours)."""
-    from .tuning.space import GRID_STAGES
-
     base_ms = measured.get(best)
     if base_ms is None:
         return best
     adopted = {}
-    for names in GRID_STAGES:
-        if names[0].split("_")[0] not in NEIGHBOUR_STAGES[direction]:
-            continue
+    for names in neighbour_axes(direction):
         own = {k: getattr(best, k) for k in names}
         fastest, fastest_ms = None, base_ms
         for point, ms in measured.items():
