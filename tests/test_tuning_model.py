@@ -340,3 +340,81 @@ def test_fit_recovers_a_stage_scale_and_check_flags_a_bad_model():
     assert fitted.stage_scale["forward.fc2"] == pytest.approx(1.3, rel=1e-6)
     table, ok = calibrate.check(fitted, records, tolerance=0.01)
     assert ok, table
+
+
+# ---- the sustained clock and the calibration samples ------------------------------
+
+
+def test_clock_constants_recover_a_sustained_curve_and_find_no_loss_in_a_flat_one():
+    rng = np.random.default_rng(0)
+    rested, sustained, settle = 1.40, 1.40 / 0.86, 40.0  # ms per call; half the loss after 40 ms busy
+    times, busy = [], 0.0
+    for _ in range(300):
+        rate = 0.86 + 0.14 * 2 ** (-busy / settle)
+        times.append(rested / rate * (1 + rng.normal(0, 0.002)))
+        busy += times[-1]
+    s, half = calibrate.clock_constants(times)
+    assert s == pytest.approx(rested / sustained, abs=0.01)
+    assert half == pytest.approx(settle, rel=0.15)
+    assert calibrate.clock_constants([1.4 * (1 + rng.normal(0, 0.001)) for _ in range(300)]) == (1.0, 0.0)
+
+
+def test_a_calibrated_clock_slows_long_layers_more_than_short_ones():
+    """Uncalibrated (or a clock without loss), the clocked model is the rested one
+    bit for bit; with a loss, a layer whose timing loop keeps the GPU busy
+    longer loses more of its GEMM rate."""
+    hw = dataclasses.replace(H200, sustained_clock=0.85, clock_settle_ms=30.0)
+    ratios = {}
+    for name in ("qwen3", "mixtral"):
+        shape, stats = layer(name, world=1, tokens=SHAPES[name][0] * 2)
+        point = shape.default_params()
+        rested = predict(shape, stats, 1, point, H200)
+        assert predict(shape, stats, 1, point, dataclasses.replace(H200, sustained_clock=0.85)).total == rested.total
+        clocked = predict(shape, stats, 1, point, hw)
+        assert clocked.forward["fc1"] > rested.forward["fc1"] and clocked.backward["da"] > rested.backward["da"]
+        assert clocked.forward["dispatch"] == rested.forward["dispatch"]  # no GEMM: no clock
+        ratios[name] = clocked.forward["fc1"] / rested.forward["fc1"]
+    assert 1 < ratios["qwen3"] < ratios["mixtral"] < 1 / 0.85 + 1e-9
+
+
+def _synthetic_samples(hw, tiles: list[dict]) -> dict:
+    """Calibration samples whose GEMM launch times are the model's at ``hw``
+    (what a GPU with exactly these constants would have measured)."""
+    shape = LayerShape(8192, 4096, 2048, 8, 2, 1, 2)
+    stats = RoutingStats.uniform(8192, 8, 2, 1)
+    out = []
+    for overrides in tiles:
+        params = LayerParams().replace(**overrides)
+        pred = predict(shape, stats, 1, params, hw, schedule="sequential", busy_calls=calibrate.SAMPLE_BUSY_CALLS)
+        stages = {k: pred.forward[k] - hw.launch_us * 1e-3 for k in ("fc1", "fc2")}
+        stages.update({k: pred.backward[k] - hw.launch_us * 1e-3 for k in ("dh", "da")})
+        out.append(dict(overrides=overrides, stages=stages))
+    rested = 1.4
+    clock = [rested / (hw.sustained_clock + (1 - hw.sustained_clock) * 2 ** (-i * rested / hw.clock_settle_ms))
+             for i in range(300)]
+    return {"gpu": hw.name, "hbm_copy": dict(bytes=2 << 30, ms=2 * (1 << 30) / (hw.hbm_gbps * 1e9) * 1e3),
+            "launches": dict(count=200, ms=200 * hw.launch_us * 1e-3), "clock": dict(flops=2 * 8192**3, ms=clock),
+            "tile_layer": dict(shape=dataclasses.asdict(shape),
+                               routing={n: np.asarray(getattr(stats, n)).tolist()
+                                        for n in ("tokens", "expert_rows", "send_rows", "send_copies")}),
+            "tiles": out}
+
+
+def test_fit_samples_recovers_the_constants_that_made_the_samples_and_refit_reads_them_back(tmp_path):
+    truth = dataclasses.replace(H200, sustained_clock=0.87, clock_settle_ms=35.0, hbm_gbps=3300.0, launch_us=3.0)
+    key_fc1 = tile_key("fc1", 128, 256, 64, 8, 3, 1)
+    key_fc2 = tile_key("fc2", 128, 128, 64, 4, 3, 2)
+    truth.gemm_efficiency = {key_fc1: 0.71, key_fc2: 0.58}
+    tiles = [dict(), dict(fc2_block_n=128, fc2_num_warps=4, fc2_programs_per_sm=2)]
+    samples = _synthetic_samples(truth, tiles)
+    fitted = calibrate.fit_samples(default_constants("NVIDIA H200"), samples, log=lambda *a: None)
+    assert fitted.hbm_gbps == pytest.approx(3300.0) and fitted.launch_us == pytest.approx(3.0)
+    assert fitted.sustained_clock == pytest.approx(0.87, abs=0.01)
+    assert fitted.gemm_efficiency[key_fc1] == pytest.approx(0.71, rel=0.02)
+    assert fitted.gemm_efficiency[key_fc2] == pytest.approx(0.58, rel=0.02)
+    path = tmp_path / "hw.json"
+    save_constants(fitted, path)
+    assert load_constants(path).calibration_samples == json.loads(json.dumps(samples))
+    assert calibrate.main(["refit", "--constants", str(path), "--out", str(tmp_path / "again.json")]) == 0
+    again = load_constants(tmp_path / "again.json")
+    assert again.gemm_efficiency == fitted.gemm_efficiency and again.sustained_clock == fitted.sustained_clock

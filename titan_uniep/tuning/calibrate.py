@@ -66,11 +66,12 @@ from pathlib import Path
 import numpy as np
 
 from ..params import LayerParams
-from .hardware import HardwareConstants, default_constants, load_constants, save_constants, tile_key
+from .hardware import HardwareConstants, clock_factor, default_constants, load_constants, save_constants, tile_key
 from .model import RoutingStats, grouped_mm_wgrad_time, predict
 from .space import GRID_STAGES, LayerShape
 
-__all__ = ["GROUPED_MM_ROWS", "check", "fit", "measurement_record", "measure", "record_prediction"]
+__all__ = ["GROUPED_MM_ROWS", "check", "clock_constants", "fit", "fit_samples", "measurement_record", "measure",
+           "record_prediction"]
 
 # Rows per expert at which ``measure`` times the grouped_mm weight gradients:
 # from deepseek-like's 256 (8192 tokens x top-8 over 256 experts) down to the
@@ -260,7 +261,35 @@ def _tile_configs(which: str) -> list[dict]:
 
 
 def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> HardwareConstants:
-    """The constants of this process's GPU (see the module docstring)."""
+    """The constants of this process's GPU (see the module docstring): what
+    ``_measure_samples`` times, fitted by ``fit_samples``."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    hw = default_constants(props.name)
+    hw.sm_count = props.multi_processor_count
+    hw.smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", hw.smem_per_sm))
+    hw.smem_per_block = int(getattr(props, "shared_memory_per_block_optin", hw.smem_per_block))
+    hw.registers_per_sm = int(getattr(props, "regs_per_multiprocessor", hw.registers_per_sm))
+    hw.max_threads_per_sm = int(getattr(props, "max_threads_per_multi_processor", hw.max_threads_per_sm))
+    return fit_samples(hw, _measure_samples(tiles=tiles, tokens=tokens, log=log), log)
+
+
+# The dense layer the GEMM tiles are calibrated on: 8 experts, top-2 (every
+# tile full but the last of an expert), D and H long enough for steady K-loops.
+TILE_LAYER = dict(dim=4096, hidden=2048, num_experts=8, top_k=2)
+# Loads of the GEMM tile samples (calibrate._kernel_times): a warm-up call, then
+# the median of 5 calls, each ended by a host sync.
+SAMPLE_BUSY_CALLS = 3.5
+
+
+def _measure_samples(*, tiles: str, tokens: int, log=print) -> dict:
+    """Time what ``fit_samples`` fits (GPU): HBM copy, launch latency, the
+    SM clock under a sustained GEMM load, every tile configuration's GEMM
+    launches on ``TILE_LAYER``, the weight gradients and a dispatch there,
+    the grouped_mm weight gradients by rows, and with a process group of
+    more than one GPU NVLink and the counts exchange. Plain numbers and
+    lists: ``HardwareConstants.calibration_samples``."""
     import torch
     import torch.distributed as dist
     import triton
@@ -269,23 +298,13 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
     from ..runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    props = torch.cuda.get_device_properties(dev)
-    hw = default_constants(props.name)
-    hw.sm_count = props.multi_processor_count
-    hw.smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", hw.smem_per_sm))
-    hw.smem_per_block = int(getattr(props, "shared_memory_per_block_optin", hw.smem_per_block))
-    hw.registers_per_sm = int(getattr(props, "regs_per_multiprocessor", hw.registers_per_sm))
-    hw.max_threads_per_sm = int(getattr(props, "max_threads_per_multi_processor", hw.max_threads_per_sm))
-    measured = ["limits"]
+    samples: dict = {"gpu": torch.cuda.get_device_name(dev)}
 
     # HBM: a 1 GiB copy
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    ms = _event_ms(lambda: dst.copy_(src), reps=10)
-    hw.hbm_gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
+    samples["hbm_copy"] = dict(bytes=2 * src.numel(), ms=_event_ms(lambda: dst.copy_(src), reps=10))
     src = dst = None
-    measured.append("hbm")
-    log(f"HBM copy: {hw.hbm_gbps:.0f} GB/s")
 
     # launch latency: back-to-back one-element kernels
     @triton.jit
@@ -294,13 +313,14 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
 
     cell = torch.zeros(1, dtype=torch.int32, device=dev)
     launches = 200
-    ms = _event_ms(lambda: [_touch[(1,)](cell) for _ in range(launches)], reps=5)
-    hw.launch_us = ms * 1e3 / launches
-    measured.append("launch")
-    log(f"launch: {hw.launch_us:.2f} us")
+    samples["launches"] = dict(count=launches, ms=_event_ms(lambda: [_touch[(1,)](cell) for _ in range(launches)],
+                                                             reps=5))
+    samples["clock"] = _clock_samples(dev)
+    log(f"sustained GEMM: {len(samples['clock']['ms'])} calls, first {samples['clock']['ms'][1]:.3f} ms, "
+        f"last {samples['clock']['ms'][-1]:.3f} ms")
 
     # GEMM tiles on dense rows: a simulated one-rank world, every expert local
-    num_experts, top_k, dim, hidden = 8, 2, 4096, 2048
+    num_experts, top_k, dim, hidden = (TILE_LAYER[k] for k in ("num_experts", "top_k", "dim", "hidden"))
     gen = torch.Generator(device=dev).manual_seed(7)
     dtype = torch.bfloat16
     x = torch.randn(1, tokens, dim, generator=gen, device=dev).to(dtype)
@@ -310,8 +330,12 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
     w2 = (torch.randn(1, num_experts, dim, hidden, generator=gen, device=dev) * hidden**-0.5).to(dtype)
     probs = torch.softmax(torch.randn(tokens, num_experts, generator=gen, device=dev), 1)
     scores, indices = (t.contiguous() for t in probs.topk(top_k, dim=1))
-    shape = LayerShape(tokens, dim, hidden, num_experts, top_k, 1, 2)
     stats = RoutingStats.from_indices([indices.cpu().numpy()], num_experts, 1)
+    samples["tile_layer"] = dict(
+        shape=dataclasses.asdict(LayerShape(tokens, dim, hidden, num_experts, top_k, 1, 2)),
+        routing={name: np.asarray(getattr(stats, name)).tolist()
+                 for name in ("tokens", "expert_rows", "send_rows", "send_copies")})
+    samples["tiles"] = []
     for overrides in _tile_configs(tiles):
         params = LayerParams().replace(**overrides)
         try:
@@ -335,69 +359,167 @@ def measure(*, tiles: str = "defaults", tokens: int = 8192, log=print) -> Hardwa
         except Exception as err:  # a configuration that does not compile or run here: skip it, say so
             log(f"tiles {overrides}: skipped ({type(err).__name__}: {err})")
             continue
-        stages = {
+        found = {
             "fc1": _named(fwd, "dispatch_fc1")[1:2], "fc2": _named(fwd, "fc2_combine")[:1],
             "dh": _named(bwd, "dispatch_dh")[1:2], "da": _named(bwd, "da_combine")[:1],
         }
-        for kernel, found in stages.items():
-            if not found:
-                continue
+        sample = dict(overrides=overrides, stages={k: v[0] for k, v in found.items() if v})
+        if not overrides:
+            # grouped_mm weight gradients: the kernels between da_combine's launches
+            da_at = [i for i, (name, _) in enumerate(bwd) if "da_combine" in name]
+            if len(da_at) >= 2:
+                sample["wgrad"] = sum(ms for _, ms in bwd[da_at[0] + 1:da_at[-1]])
+            # Two simulated ranks routing alike (the same experts split over them):
+            # every de-duplicated row a rank sends, its own included, is one copy.
+            few = params.replace(num_programs=8, combine_send_programs=1)
+            ws_few = Workspace.simulated(2, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
+                                         top_k=top_k, dtype=dtype, device=dev, params=few)
+            x2 = x.expand(2, -1, -1).contiguous()
+            w1_2, w2_2, w3_2 = (w.reshape(2, num_experts // 2, *w.shape[2:]) for w in (w1, w2, w3))
+            slow = _named(_kernel_times(lambda: simulated_moe_forward(
+                x2, [scores, scores], [indices, indices], w1_2, w2_2, w3_2, schedule="sequential",
+                score_before_experts=False, params=few, workspace=ws_few, error_check="lazy")), "dispatch_fc1")[0]
+            rows = RoutingStats.from_indices([indices.cpu().numpy()] * 2, num_experts, 2).send_rows.sum()
+            samples["dispatch"] = dict(rows=float(rows), row_bytes=dim * 2, programs=8, ms=slow)
+        samples["tiles"].append(sample)
+        torch.cuda.empty_cache()
+
+    samples["grouped_mm"] = _grouped_mm_samples(dev, log)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        samples["nvlink_gbps"] = _nvlink_gbps(dev)
+        samples["exchange_us"] = _exchange_us(dev)
+        samples["world"] = dist.get_world_size()
+    return samples
+
+
+def _clock_samples(dev, calls: int = 300, idle_s: float = 0.5) -> dict:
+    """A sustained tensor-core load from a rested GPU: ``calls`` bf16
+    8192^3 matmuls back to back after ``idle_s`` seconds idle, each timed
+    with CUDA events (ms, in order)."""
+    import time
+
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    torch.mm(a, b, out=out)
+    torch.cuda.synchronize()
+    time.sleep(idle_s)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        torch.mm(a, b, out=out)
+        end.record()
+    torch.cuda.synchronize()
+    return dict(flops=2 * n**3, ms=[start.elapsed_time(end) for start, end in events])
+
+
+def clock_constants(times_ms: list[float]) -> tuple[float, float]:
+    """``(sustained_clock, clock_settle_ms)`` of one sustained load's call
+    times (``_clock_samples``): the sustained rate is the median of the last
+    quarter; the rested rate and the settle time are the least-squares fit of
+    ``sustained + (rested - sustained) * 2^(-busy / settle)`` to the calls'
+    rates at their busy times (grid search; the first call, which may still
+    pay a warm-up, left out). ``(1, 0)`` when the load loses nothing."""
+    t = np.asarray(times_ms, dtype=float)
+    rate = 1.0 / t
+    busy = (np.cumsum(t) - t / 2)[1:]  # the middle of each call
+    rate = rate[1:]
+    sustained = float(np.median(rate[-max(5, len(rate) // 4):]))
+    early = float(np.median(rate[:5]))
+    if early <= sustained * 1.005:  # within noise: no loss
+        return 1.0, 0.0
+    rested = early * np.linspace(1.0, 1.1, 41)[:, None, None]
+    settle = np.geomspace(max(float(t[0]), 0.1), max(float(busy[-1]), 1.0), 80)[None, :, None]
+    fit = sustained + (rested - sustained) * np.exp2(-busy[None, None, :] / settle)
+    err = ((fit - rate[None, None, :]) ** 2).sum(axis=2)
+    a, b = np.unravel_index(np.argmin(err), err.shape)
+    return sustained / float(rested[a, 0, 0]), float(settle[0, b, 0])
+
+
+def fit_samples(hw: HardwareConstants, samples: dict, log=print) -> HardwareConstants:
+    """``hw`` with every figure ``samples`` (``_measure_samples``) gives, the
+    samples kept in ``hw.calibration_samples`` (``refit`` runs this again on
+    a saved file). Order matters: the tile efficiencies are solved with the
+    model at the HBM rate, launch latency and clock found first."""
+    hw = dataclasses.replace(hw, gemm_efficiency={}, stage_scale={},
+                             grouped_mm_efficiency_by_rows={}, calibration_samples=samples)
+    measured = ["limits"]
+    if "hbm_copy" in samples:
+        hw.hbm_gbps = samples["hbm_copy"]["bytes"] / (samples["hbm_copy"]["ms"] * 1e-3) / 1e9
+        log(f"HBM copy: {hw.hbm_gbps:.0f} GB/s")
+        measured.append("hbm")
+    if "launches" in samples:
+        hw.launch_us = samples["launches"]["ms"] * 1e3 / samples["launches"]["count"]
+        log(f"launch: {hw.launch_us:.2f} us")
+        measured.append("launch")
+    if "clock" in samples:
+        hw.sustained_clock, hw.clock_settle_ms = clock_constants(samples["clock"]["ms"])
+        rested = samples["clock"]["flops"] / (np.median(samples["clock"]["ms"][1:6]) * 1e-3) / 1e12
+        log(f"GEMM clock: {rested:.0f} TFLOP/s rested, x{hw.sustained_clock:.3f} sustained, half of the loss "
+            f"after {hw.clock_settle_ms:.0f} ms busy")
+        measured.append("clock")
+    if "dispatch" in samples:  # (before the tiles: the dH tiles' row copies go at this rate)
+        d = samples["dispatch"]
+        hw.copy_gbps_per_program = d["rows"] * d["row_bytes"] / (d["ms"] * 1e-3) / d["programs"] / 1e9
+        log(f"dispatch of {d['rows']:.0f} rows with {d['programs']} programs: {d['ms']:.3f} ms -> "
+            f"{hw.copy_gbps_per_program:.1f} GB/s per program")
+    if samples.get("tiles"):
+        _fit_tiles(hw, samples, log)
+        measured.append("tiles")
+    if samples.get("grouped_mm"):
+        hw.grouped_mm_efficiency_by_rows = _grouped_mm_rows_table(hw, samples["grouped_mm"], log)
+        measured.append("grouped_mm by rows")
+    if "nvlink_gbps" in samples:
+        hw.nvlink_gbps, hw.exchange_us = samples["nvlink_gbps"], samples["exchange_us"]
+        log(f"NVLink: {hw.nvlink_gbps:.0f} GB/s per GPU and direction; counts exchange {hw.exchange_us:.1f} us")
+        measured.append("nvlink+exchange")
+        ep = f"measured over {samples['world']} GPUs"
+    else:
+        ep = "NVLink and the counts exchange not measured (one GPU: run under torchrun for them)"
+    hw.source = f"calibrated on {samples.get('gpu', hw.name)} ({', '.join(measured)}; {ep})"
+    return hw
+
+
+def _fit_tiles(hw: HardwareConstants, samples: dict, log=print) -> None:
+    """Per tile configuration sample and GEMM launch, the efficiency with
+    which the model (sequential schedule, at the clock of the samples' load)
+    reproduces the launch's time, per tile key the median over the samples
+    that ran it (a grid sample varies one stage: the others rerun the base
+    tiles); the base configuration's weight gradients give
+    ``grouped_mm_efficiency``."""
+    layer = samples["tile_layer"]
+    shape = LayerShape(**layer["shape"])
+    stats = RoutingStats(shape.top_k, *(np.asarray(layer["routing"][n], dtype=float)
+                                        for n in ("tokens", "expert_rows", "send_rows", "send_copies")))
+    solved: dict[str, list[float]] = {}
+    for sample in samples["tiles"]:
+        params = LayerParams().replace(**sample["overrides"])
+        for kernel, ms in sample["stages"].items():
             direction = "forward" if kernel in ("fc1", "fc2") else "backward"
-            key = _params_tile_key(kernel, params, hidden)
+            key = _params_tile_key(kernel, params, shape.hidden)
             probe = dataclasses.replace(hw, gemm_efficiency=dict(hw.gemm_efficiency))
 
             def stage_ms(eff, kernel=kernel, key=key, probe=probe, direction=direction):
                 probe.gemm_efficiency[key] = eff
-                pred = predict(shape, stats, 1, params, probe, schedule="sequential")
+                pred = predict(shape, stats, 1, params, probe, schedule="sequential", busy_calls=SAMPLE_BUSY_CALLS)
                 return getattr(pred, direction)[kernel] - hw.launch_us * 1e-3
 
-            hw.gemm_efficiency[key] = round(_solve_efficiency(found[0], stage_ms), 4)
-            log(f"{key}: {found[0]:.3f} ms -> efficiency {hw.gemm_efficiency[key]:.3f}")
-        if not overrides:
-            dispatch = _named(fwd, "dispatch_fc1")[:1]
-            # grouped_mm weight gradients: the kernels between da_combine's launches
-            da_at = [i for i, (name, _) in enumerate(bwd) if "da_combine" in name]
-            wgrad = sum(ms for _, ms in bwd[da_at[0] + 1:da_at[-1]]) if len(da_at) >= 2 else 0.0
-            if wgrad > 0:
-                probe = dataclasses.replace(hw)
+            solved.setdefault(key, []).append(_solve_efficiency(ms, stage_ms))
+            log(f"{key}: {ms:.3f} ms -> efficiency {solved[key][-1]:.3f}")
+        if "wgrad" in sample:
+            probe = dataclasses.replace(hw)
 
-                def wgrad_ms(eff, probe=probe):
-                    probe.grouped_mm_efficiency = eff
-                    return predict(shape, stats, 1, params, probe, schedule="sequential").backward["wgrad"]
+            def wgrad_ms(eff, probe=probe, params=params):
+                probe.grouped_mm_efficiency = eff
+                return predict(shape, stats, 1, params, probe, schedule="sequential",
+                               busy_calls=SAMPLE_BUSY_CALLS).backward["wgrad"]
 
-                hw.grouped_mm_efficiency = round(_solve_efficiency(wgrad, wgrad_ms), 4)
-                log(f"grouped_mm weight gradients: {wgrad:.3f} ms -> efficiency {hw.grouped_mm_efficiency:.3f}")
-            if dispatch:
-                # Two simulated ranks routing alike (the same experts split over them):
-                # every de-duplicated row a rank sends, its own included, is one copy.
-                few = params.replace(num_programs=8, combine_send_programs=1)
-                ws_few = Workspace.simulated(2, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
-                                             top_k=top_k, dtype=dtype, device=dev, params=few)
-                x2 = x.expand(2, -1, -1).contiguous()
-                w1_2, w2_2, w3_2 = (w.reshape(2, num_experts // 2, *w.shape[2:]) for w in (w1, w2, w3))
-                slow = _named(_kernel_times(lambda: simulated_moe_forward(
-                    x2, [scores, scores], [indices, indices], w1_2, w2_2, w3_2, schedule="sequential",
-                    score_before_experts=False, params=few, workspace=ws_few, error_check="lazy")), "dispatch_fc1")[0]
-                rows = RoutingStats.from_indices([indices.cpu().numpy()] * 2, num_experts, 2).send_rows.sum()
-                hw.copy_gbps_per_program = float(rows) * dim * 2 / (slow * 1e-3) / 8 / 1e9
-                log(f"dispatch of {rows:.0f} rows with 8 programs: {slow:.3f} ms -> "
-                    f"{hw.copy_gbps_per_program:.1f} GB/s per program")
-        measured.append("tiles")
-        torch.cuda.empty_cache()
-
-    hw.grouped_mm_efficiency_by_rows = _grouped_mm_rows_table(hw, _grouped_mm_samples(dev, log), log)
-    measured.append("grouped_mm by rows")
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        hw.nvlink_gbps = _nvlink_gbps(dev)
-        hw.exchange_us = _exchange_us(dev)
-        measured.append("nvlink+exchange")
-        log(f"NVLink: {hw.nvlink_gbps:.0f} GB/s per GPU and direction; counts exchange {hw.exchange_us:.1f} us")
-        ep = f"measured over {dist.get_world_size()} GPUs"
-    else:
-        ep = "NVLink and the counts exchange not measured (one GPU: run under torchrun for them)"
-    hw.source = f"calibrated on {props.name} ({', '.join(dict.fromkeys(measured))}; {ep})"
-    return hw
+            hw.grouped_mm_efficiency = round(_solve_efficiency(sample["wgrad"], wgrad_ms), 4)
+            log(f"grouped_mm weight gradients: {sample['wgrad']:.3f} ms -> efficiency {hw.grouped_mm_efficiency:.3f}")
+    hw.gemm_efficiency = {key: round(float(np.median(effs)), 4) for key, effs in solved.items()}
 
 
 def _grouped_mm_experts(dim: int, hidden: int, num_experts: int, rows: int) -> int:
@@ -468,9 +590,11 @@ def _grouped_mm_rows_table(hw: HardwareConstants, samples: list[dict], log=print
     for sample in samples:
         expert_rows = np.full((1, sample["experts"]), float(sample["rows"]))
 
-        def wgrad_ms(eff, sample=sample, expert_rows=expert_rows):
+        clock = float(clock_factor(hw, SAMPLE_BUSY_CALLS * sample["ms"] * 1e-3))
+
+        def wgrad_ms(eff, sample=sample, expert_rows=expert_rows, clock=clock):
             probe = dataclasses.replace(hw, grouped_mm_efficiency_by_rows={str(sample["rows"]): eff})
-            seconds = grouped_mm_wgrad_time(probe, expert_rows, sample["dim"], sample["hidden"], 2)[0]
+            seconds = grouped_mm_wgrad_time(probe, expert_rows, sample["dim"], sample["hidden"], 2, clock=clock)[0]
             return 1e3 * seconds + 3 * hw.launch_us * 1e-3
 
         by_rows.setdefault(sample["rows"], []).append(_solve_efficiency(sample["ms"], wgrad_ms))
@@ -485,7 +609,8 @@ def _grouped_mm_rows_table(hw: HardwareConstants, samples: list[dict], log=print
 def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:
     """``tile_key`` of the tile configuration ``p`` gives ``kernel`` (as the model reads it)."""
     if kernel == "fc1":
-        return tile_key("fc1_one" if p.fc1_one_dot else "fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k, p.fc1_num_warps, p.fc1_num_stages, 1)
+        return tile_key("fc1_one" if p.fc1_one_dot else "fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k,
+                        p.fc1_num_warps, p.fc1_num_stages, p.fc1_programs_per_sm)
     if kernel == "fc2":
         return tile_key("fc2_tma" if p.fc2_tma and hidden % 8 == 0 else "fc2", p.block_m, p.fc2_block_n,
                         p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages, p.fc2_programs_per_sm)
@@ -564,7 +689,7 @@ def _exchange_us(dev) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("measure", "fit", "check") else "measure"
+    command = argv.pop(0) if argv and argv[0] in ("measure", "refit", "fit", "check") else "measure"
     ap = argparse.ArgumentParser(prog=f"python -m titan_uniep.tuning.calibrate {command}",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if command == "measure":
@@ -572,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--tiles", choices=("defaults", "grid"), default="defaults",
                         help="tile configurations to measure (grid: every one of space.GRID_STAGES; slower)")
         ap.add_argument("--tokens", type=int, default=8192, help="tokens of the dense calibration layer")
+    elif command == "refit":
+        ap.add_argument("--constants", required=True, help="constants JSON written by measure (with its samples)")
+        ap.add_argument("--out", required=True, help="JSON file for the constants fitted again")
     else:
         ap.add_argument("--constants", help="constants JSON (default: the uncalibrated H200 constants)")
         ap.add_argument("--measurements", required=True, help="JSON list of measurement records")
@@ -597,6 +725,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}: {hw.source}")
         if dist.is_initialized():
             dist.destroy_process_group()
+        return 0
+    if command == "refit":
+        hw = load_constants(args.constants)
+        if not hw.calibration_samples:
+            ap.error(f"{args.constants} holds no calibration samples (written before they were kept): run measure")
+        fitted = fit_samples(hw, hw.calibration_samples)
+        save_constants(fitted, args.out)
+        print(f"wrote {args.out}: {fitted.source}")
         return 0
     hw = load_constants(args.constants) if args.constants else default_constants("NVIDIA H200")
     records = json.loads(Path(args.measurements).read_text())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["HardwareConstants", "default_constants", "load_constants", "save_constants", "tile_key"]
+__all__ = ["HardwareConstants", "clock_factor", "default_constants", "load_constants", "save_constants", "tile_key"]
 
 
 def tile_key(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int = 1) -> str:
@@ -43,7 +43,11 @@ class HardwareConstants:
     per expert (decimal strings, the calibration's powers of two: ``"256"``)
     to the fraction of ``peak_tflops`` torch._grouped_mm reaches on the
     weight gradients of experts that size (``grouped_mm_efficiency_at``),
-    empty: the one ``grouped_mm_efficiency`` for every expert. ``source``
+    empty: the one ``grouped_mm_efficiency`` for every expert;
+    ``sustained_clock`` and ``clock_settle_ms`` say how a GEMM slows down
+    as the GPU stays busy (``clock_factor``); ``calibration_samples`` holds
+    what ``calibrate measure`` timed, from which ``calibrate refit``
+    derives the figures again. ``source``
     says where the figures come from ("uncalibrated: ..." until calibration)."""
 
     name: str
@@ -71,6 +75,9 @@ class HardwareConstants:
     gemm_efficiency: dict[str, float] = field(default_factory=dict)
     stage_scale: dict[str, float] = field(default_factory=dict)
     grouped_mm_efficiency_by_rows: dict[str, float] = field(default_factory=dict)
+    sustained_clock: float = 1.0  # a GEMM's rate under sustained load over its rate in a burst (power limit)
+    clock_settle_ms: float = 0.0  # busy time after which half of that loss has set in (0: no loss modelled)
+    calibration_samples: dict = field(default_factory=dict)  # the raw measurements the fitted figures come from
 
     def tile_efficiency(self, kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, per_sm: int) -> float:
         """Fraction of the per-SM peak a K-loop step reaches: the calibrated
@@ -95,6 +102,19 @@ class HardwareConstants:
             return np.full(rows.shape, self.grouped_mm_efficiency)
         table = _rows_table(self.grouped_mm_efficiency_by_rows)
         return np.interp(np.log2(np.maximum(rows, 1.0)), np.log2(table[:, 0]), table[:, 1])
+
+
+def clock_factor(hw: "HardwareConstants", busy_s) -> np.ndarray:
+    """A GEMM's rate after ``busy_s`` seconds of back-to-back work, relative
+    to its rate on a rested GPU (elementwise): a sustained tensor-core load
+    holds the board at its power limit and the SM clock settles lower,
+    ``sustained + (1 - sustained) * 2^(-busy / settle)``. 1 everywhere while
+    uncalibrated (``clock_settle_ms`` 0)."""
+    busy = np.asarray(busy_s, dtype=float)
+    if hw.clock_settle_ms <= 0 or hw.sustained_clock >= 1:
+        return np.ones(busy.shape)
+    s = hw.sustained_clock
+    return s + (1 - s) * np.exp2(-busy / (hw.clock_settle_ms * 1e-3))
 
 
 def _rows_table(entries: dict[str, float]) -> np.ndarray:

@@ -48,6 +48,7 @@ from ..params import LayerParams
 from .hardware import (  # noqa: F401  (re-exported: the model's constants)
     HardwareConstants,
     _tile_efficiency,
+    clock_factor,
     default_constants,
     load_constants,
     save_constants,
@@ -57,6 +58,7 @@ from .space import LayerShape
 
 __all__ = [
     "BACKWARD_STAGES",
+    "BUSY_CALLS",
     "FORWARD_STAGES",
     "HardwareConstants",
     "Prediction",
@@ -177,7 +179,8 @@ def _columns(points: Sequence[LayerParams], grid_default: int) -> dict[str, np.n
     a register cap None -> 0)."""
     row = operator.itemgetter(*_COLUMNS)
     cols = dict(zip(_COLUMNS, zip(*(row(p.__dict__) for p in points))))
-    for name, none in (("num_programs", grid_default), ("fc2_max_registers", 0), ("da_max_registers", 0)):
+    for name, none in (("num_programs", grid_default), ("fc1_max_registers", 0), ("fc2_max_registers", 0),
+                       ("da_max_registers", 0)):
         cols[name] = [none if v is None else v for v in cols[name]]
     return {name: np.asarray(values) for name, values in cols.items()}
 
@@ -260,24 +263,32 @@ class _Batch:
     backward_total: np.ndarray
 
 
+# Calls of the same direction a timed call follows back to back in the project's
+# timing loops (timing.time_ms: 2 warm-up calls, then the median of 5): the
+# GPU has been busy for about this many call times when the median one runs.
+BUSY_CALLS = 4.5
+
+
 def predict(shape: LayerShape, stats: RoutingStats, ep_size: int, params: LayerParams, hw: HardwareConstants,
-            *, schedule: str = "fused") -> Prediction:
+            *, schedule: str = "fused", busy_calls: float = BUSY_CALLS) -> Prediction:
     """The model's prediction of one point (``rank`` of one)."""
-    return Prediction(_model(shape, stats, ep_size, [params], hw, schedule=schedule), 0)
+    return Prediction(_clocked_model(shape, stats, ep_size, [params], hw, schedule, busy_calls), 0)
 
 
 def rank(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Iterable[LayerParams],
-         hw: HardwareConstants, *, schedule: str = "fused", objective: str = "total") -> "Ranking":
+         hw: HardwareConstants, *, schedule: str = "fused", objective: str = "total",
+         busy_calls: float = BUSY_CALLS) -> "Ranking":
     """``points`` with their predictions, fastest first by ``objective``
     (``"total"``: forward + backward, ``"forward"`` or ``"backward"``), as a
     ``Ranking`` (a sequence of ``(params, Prediction)``); ties keep the input
-    order. Vectorised: one numpy pass over all points."""
+    order. Vectorised: one numpy pass over all points (two with a
+    calibrated clock). ``busy_calls``: see ``BUSY_CALLS``."""
     points = list(points)
     if not points:
         return []
     if objective not in ("total", "forward", "backward"):
         raise ValueError(f"objective must be 'total', 'forward' or 'backward', got {objective!r}")
-    batch = _model(shape, stats, ep_size, points, hw, schedule=schedule)
+    batch = _clocked_model(shape, stats, ep_size, points, hw, schedule, busy_calls)
     score = {"total": batch.forward_total + batch.backward_total, "forward": batch.forward_total,
              "backward": batch.backward_total}[objective]
     return Ranking(points, batch, np.argsort(score, kind="stable"))
@@ -323,9 +334,24 @@ def _expert_tiles(stats: RoutingStats, el: int, block_m: np.ndarray, group_m: np
     return tiles, groups, (rows > 0).sum(axis=1)
 
 
+def _clocked_model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequence[LayerParams],
+                   hw: HardwareConstants, schedule: str, busy_calls: float) -> _Batch:
+    """``_model`` at the SM clock of a GPU busy for ``busy_calls`` times each
+    direction's time (``clock_factor``): a first pass at the rested clock
+    gives the busy time, a second the prediction (one pass uncalibrated)."""
+    rested = _model(shape, stats, ep_size, points, hw, schedule=schedule)
+    if hw.clock_settle_ms <= 0 or hw.sustained_clock >= 1:
+        return rested
+    return _model(shape, stats, ep_size, points, hw, schedule=schedule,
+                  clock_f=clock_factor(hw, busy_calls * rested.forward_total),
+                  clock_b=clock_factor(hw, busy_calls * rested.backward_total))
+
+
 def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequence[LayerParams],
-           hw: HardwareConstants, *, schedule: str) -> _Batch:
-    """Every stage's time in seconds for every point (arrays ``(N,)``)."""
+           hw: HardwareConstants, *, schedule: str, clock_f=None, clock_b=None) -> _Batch:
+    """Every stage's time in seconds for every point (arrays ``(N,)``);
+    ``clock_f`` / ``clock_b`` ``(N,)``: the SM clock's share of its rested
+    rate in the forward / backward GEMMs (default 1)."""
     if schedule not in ("fused", "sequential"):
         raise ValueError(f"schedule must be 'fused' or 'sequential', got {schedule!r}")
     if stats.ep_size != ep_size or shape.ep_size != ep_size:
@@ -336,6 +362,8 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
                          f"{shape.num_experts} and top-{shape.top_k}")
     c = _columns(points, hw.sm_count)
     n = len(points)
+    clock_f = np.ones(n) if clock_f is None else np.asarray(clock_f, dtype=float)
+    clock_b = np.ones(n) if clock_b is None else np.asarray(clock_b, dtype=float)
     w, d, h, k, b = ep_size, shape.dim, shape.hidden, shape.top_k, shape.dtype_bytes
     el = shape.local_experts
     sms = hw.sm_count
@@ -378,7 +406,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         tasks = np.ceil(tokens[None, :] / c["dispatch_block_tokens"][:, None])
         return np.maximum(link_t[None, :], moved[None, :] / rate) + tasks / programs[:, None] * 2 * hw.release_us * us
 
-    def gemm(kernel, n_total, k_total, mats, bn, bk, warps, stages, per_sm, a_row_bytes, out_elem_bytes,
+    def gemm(kernel, n_total, k_total, mats, bn, bk, warps, stages, per_sm, a_row_bytes, out_elem_bytes, clock,
              extra_tile_s=0.0, extra_bytes=0.0, tma=False, variant=None) -> np.ndarray:
         """``(N, W)``: the GEMM tiles of one launch, ``mats`` weight matrices of
         ``k_total x n_total`` per expert (one accumulator each). Compute: tiles in
@@ -386,7 +414,8 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         at the tile's efficiency plus a fixed cost (and ``extra_tile_s``) that a
         second program per SM hides; memory: the experts' weights once per
         row-tile group, the rows, the outputs (and ``extra_bytes``). ``variant``:
-        (suffix, mask) of another code path of the kernel (``_efficiency``)."""
+        (suffix, mask) of another code path of the kernel (``_efficiency``); ``clock``
+        ``(N,)``: the SM clock's share of its rested rate (``clock_factor``)."""
         eff = _efficiency(hw, kernel, c["block_m"], bn * mats, bk, warps, stages, per_sm, tma, variant)
         col_blocks = np.ceil(n_total / bn)[:, None]
         flops = 2 * bm * bn[:, None] * k_total * mats
@@ -396,7 +425,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         pps = per_sm[:, None].astype(float)
         t_sm = np.maximum(t_mma, (t_mma + t_fixed) / pps)
         tiles = tiles_m * col_blocks
-        compute = np.ceil(tiles / (grid[:, None] * pps)) * pps * t_sm
+        compute = np.ceil(tiles / (grid[:, None] * pps)) * pps * t_sm / clock[:, None]
         weights = groups_m * n_total * k_total * mats * b
         rows = rows_rank[None, :]
         memory = (weights + rows * a_row_bytes + rows * n_total * out_elem_bytes * mats + extra_bytes) / hbm
@@ -416,7 +445,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bounds["forward.dispatch"] = (f"NVLink: {rows_out.max() * d * b / 1e6:.1f} MB out of the busiest rank"
                                   if w > 1 else "slot entries only (x read in place)")
     fc1 = gemm("fc1", h, d, 2, c["fc1_block_n"], c["fc1_block_k"], c["fc1_num_warps"], c["fc1_num_stages"],
-               np.ones(n), d * b, b * 1.5,  # h plus the saved h1 | h3 (three outputs over two accumulators)
+               c["fc1_programs_per_sm"], d * b, b * 1.5, clock_f,  # h and the saved h1 | h3: 3 outputs, 2 accumulators
                variant=("_one", c["fc1_one_dot"] & (not shape.score_before_experts)))  # as runtime.forward runs it
     fwd["fc1"] = slowest(fc1) + launch
     bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
@@ -425,7 +454,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     tile_remote = bm * c["fc2_block_n"][:, None] * b * remote_share[None, :]
     fc2_wait = np.where((direct & ~c["fc2_defer_release"])[:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
     fc2_local = gemm("fc2", d, h, 1, c["fc2_block_n"], c["fc2_block_k"], c["fc2_num_warps"], c["fc2_num_stages"],
-                     c["fc2_programs_per_sm"], h * b, b, extra_tile_s=fc2_wait,
+                     c["fc2_programs_per_sm"], h * b, b, clock_f, extra_tile_s=fc2_wait,
                      tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0))
     combine_link = np.maximum(back_out, back_in) * d * b / link if w > 1 else np.zeros(w)
     fc2 = np.where(direct[:, None], np.maximum(fc2_local, combine_link[None, :]), fc2_local)
@@ -460,7 +489,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     h_blocks = np.ceil(h / c["dh_block_n"])[:, None]
     copy_tile_s = np.where(copies[:, None], bm * 2 * d * b / h_blocks / per_prog, 0.0)
     dh = gemm("dh", h, d, 1, c["dh_block_n"], c["dh_block_k"], c["dh_num_warps"], c["dh_num_stages"],
-              c["dh_programs_per_sm"], d * b, 4, extra_tile_s=copy_tile_s,
+              c["dh_programs_per_sm"], d * b, 4, clock_b, extra_tile_s=copy_tile_s,
               extra_bytes=np.where(copies[:, None], rows_rank[None, :] * 2 * d * b, 0.0))
     bounds["backward.dh"] = "GEMM G = dOut w2 (fp32 out)"
     bwd["dh"] = slowest(dh) + launch
@@ -473,7 +502,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     da_wait = np.where(~c["da_defer_release"][:, None], hw.release_us * us + da_remote / per_prog, 0.0)
     da_tma = c["da_tma"] & (h % c["da_block_k"] == 0) & (b == 2)
     da = gemm("da", d, 2 * h, 1, c["da_block_n"], c["da_block_k"], c["da_num_warps"], c["da_num_stages"],
-              c["da_programs_per_sm"], 2 * h * b, b, extra_tile_s=da_wait,
+              c["da_programs_per_sm"], 2 * h * b, b, clock_b, extra_tile_s=da_wait,
               tma=da_tma)
     bwd["da"] = slowest(np.maximum(da, combine_link[None, :])) + launch
     bounds["backward.da"] = "GEMM dA = dh1 w1 + dh3 w3; and its rows back over NVLink"
@@ -486,12 +515,12 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     grouped = c["wgrad_backend"] != "triton"
     expert_rows = stats.expert_rows.reshape(w, el)
     grouped_eff = _grouped_mm_rank_efficiency(hw, expert_rows)
-    t_grouped = slowest(grouped_mm_wgrad_time(hw, expert_rows, d, h, b, rows_rank))
+    t_grouped = slowest(grouped_mm_wgrad_time(hw, expert_rows, d, h, b, rows_rank, clock=clock_b[:, None]))
     w13 = _efficiency(hw, "wgrad_w13", c["wgrad_w13_block_m"], c["wgrad_w13_block_n"] * 2, c["wgrad_w13_block_k"],
                       c["wgrad_w13_num_warps"], c["wgrad_w13_num_stages"], 1)
     w2 = _efficiency(hw, "wgrad_w2", c["wgrad_w2_block_m"], c["wgrad_w2_block_n"], c["wgrad_w2_block_k"],
                      c["wgrad_w2_num_warps"], c["wgrad_w2_num_stages"], 1)
-    t_triton = roofline(wgrad_flops / (hw.peak_tflops * 1e12) * (2 / 3 / w13 + 1 / 3 / w2), wgrad_bytes / hbm)
+    t_triton = roofline(wgrad_flops / (hw.peak_tflops * 1e12 * clock_b) * (2 / 3 / w13 + 1 / 3 / w2), wgrad_bytes / hbm)
     bwd["wgrad"] = np.where(grouped, t_grouped + 3 * launch, t_triton + 2 * launch)
     busiest = int(np.argmax(rows_rank))
     bounds["backward.wgrad"] = (f"GEMM (torch._grouped_mm where it runs: {grouped_eff[busiest]:.2f} of peak at "
@@ -564,13 +593,15 @@ def _grouped_mm_rank_efficiency(hw: HardwareConstants, expert_rows: np.ndarray) 
 
 
 def grouped_mm_wgrad_time(hw: HardwareConstants, expert_rows: np.ndarray, dim: int, hidden: int, dtype_bytes: int,
-                          rows_rank: np.ndarray | None = None) -> np.ndarray:
+                          rows_rank: np.ndarray | None = None, clock=1.0) -> np.ndarray:
     """Seconds ``(W,)`` of each rank's three torch._grouped_mm weight-gradient
     calls (dW1 | dW3 = dh1 | dh3^T xs, dW2 = dOut^T h; launches not included):
     ``expert_rows`` ``(W, El)`` rows of each local expert, ``rows_rank``
     ``(W,)`` the rank's slots (default: its experts' rows). A roofline of the
-    FLOPs at ``_grouped_mm_rank_efficiency`` against HBM bytes (every
-    expert's three weight gradients written, the rank's rows read). The
+    FLOPs at ``_grouped_mm_rank_efficiency`` (and ``clock``: the SM clock's
+    share of its rested rate; an ``(N, 1)`` array gives ``(N, W)``) against
+    HBM bytes (every expert's three weight gradients written, the rank's rows
+    read). The
     model's ``backward.wgrad`` and the calibration of
     ``grouped_mm_efficiency_by_rows`` both use it."""
     expert_rows = np.asarray(expert_rows, dtype=float)
@@ -579,7 +610,7 @@ def grouped_mm_wgrad_time(hw: HardwareConstants, expert_rows: np.ndarray, dim: i
     flops = 3 * 2 * rows_rank * d * h
     moved = 3 * el * d * h * b + rows_rank * (2 * d + 3 * h) * b
     eff = _grouped_mm_rank_efficiency(hw, expert_rows)
-    return _roofline(hw, flops / (hw.peak_tflops * 1e12 * eff), moved / (hw.hbm_gbps * 1e9))
+    return _roofline(hw, flops / (hw.peak_tflops * 1e12 * eff * clock), moved / (hw.hbm_gbps * 1e9))
 
 
 def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, per_sm, tma=False,
