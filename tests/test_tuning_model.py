@@ -22,7 +22,7 @@ import torch
 from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
 from titan_uniep.params import DEFAULTS, LayerParams, default_params
 from titan_uniep.tuning import calibrate
-from titan_uniep.tuning.hardware import tile_key
+from titan_uniep.tuning.hardware import clock_factor, tile_key
 from titan_uniep.tuning.model import (
     BACKWARD_STAGES,
     FORWARD_STAGES,
@@ -389,11 +389,14 @@ def _synthetic_samples(hw, tiles: list[dict]) -> dict:
         stages = {k: pred.forward[k] - hw.launch_us * 1e-3 for k in ("fc1", "fc2")}
         stages.update({k: pred.backward[k] - hw.launch_us * 1e-3 for k in ("dh", "da")})
         out.append(dict(overrides=overrides, stages=stages))
-    rested = 1.4
-    clock = [rested / (hw.sustained_clock + (1 - hw.sustained_clock) * 2 ** (-i * rested / hw.clock_settle_ms))
-             for i in range(300)]
+    clock, busy = [], 0.0
+    for _ in range(300):  # 1.4 ms a call on a rested GPU, at the clock of the busy time near its middle
+        clock.append(1.4 / float(clock_factor(hw, (busy + 0.7) * 1e-3)))
+        busy += clock[-1]
     return {"gpu": hw.name, "hbm_copy": dict(bytes=2 << 30, ms=2 * (1 << 30) / (hw.hbm_gbps * 1e9) * 1e3),
             "launches": dict(count=200, ms=200 * hw.launch_us * 1e-3), "clock": dict(flops=2 * 8192**3, ms=clock),
+            "dispatch": dict(rows=25000.0, row_bytes=8192, programs=8,
+                             ms=25000 * 8192 / (8 * hw.copy_gbps_per_program * 1e9) * 1e3),
             "tile_layer": dict(shape=dataclasses.asdict(shape),
                                routing={n: np.asarray(getattr(stats, n)).tolist()
                                         for n in ("tokens", "expert_rows", "send_rows", "send_copies")}),
@@ -401,17 +404,26 @@ def _synthetic_samples(hw, tiles: list[dict]) -> dict:
 
 
 def test_fit_samples_recovers_the_constants_that_made_the_samples_and_refit_reads_them_back(tmp_path):
-    truth = dataclasses.replace(H200, sustained_clock=0.87, clock_settle_ms=35.0, hbm_gbps=3300.0, launch_us=3.0)
+    # A clock that falls far and fast: solving the tiles at another load than the samples' shows.
+    truth = dataclasses.replace(H200, sustained_clock=0.6, clock_settle_ms=6.0, hbm_gbps=3300.0, launch_us=3.0,
+                                copy_gbps_per_program=21.0)
     key_fc1 = tile_key("fc1", 128, 256, 64, 8, 3, 1)
     key_fc2 = tile_key("fc2", 128, 128, 64, 4, 3, 2)
-    truth.gemm_efficiency = {key_fc1: 0.71, key_fc2: 0.58}
+    key_dh = tile_key("dh", 128, 128, 64, 8, 3, 2)  # its tiles also copy rows at the dispatch's rate
+    truth.gemm_efficiency = {key_fc1: 0.71, key_fc2: 0.58, key_dh: 0.62}
     tiles = [dict(), dict(fc2_block_n=128, fc2_num_warps=4, fc2_programs_per_sm=2)]
     samples = _synthetic_samples(truth, tiles)
-    fitted = calibrate.fit_samples(default_constants("NVIDIA H200"), samples, log=lambda *a: None)
+    # a configuration of a field LayerParams no longer has (a file from before its removal): skipped, said so
+    samples["tiles"].append(dict(overrides={"fc1_removed_knob": 2}, stages={"fc1": 99.0}))
+    said = []
+    fitted = calibrate.fit_samples(default_constants("NVIDIA H200"), samples, log=said.append)
+    assert any("fc1_removed_knob" in line and "skipped" in line for line in said)
     assert fitted.hbm_gbps == pytest.approx(3300.0) and fitted.launch_us == pytest.approx(3.0)
-    assert fitted.sustained_clock == pytest.approx(0.87, abs=0.01)
+    assert fitted.sustained_clock == pytest.approx(0.6, abs=0.01)
     assert fitted.gemm_efficiency[key_fc1] == pytest.approx(0.71, rel=0.02)
     assert fitted.gemm_efficiency[key_fc2] == pytest.approx(0.58, rel=0.02)
+    assert fitted.copy_gbps_per_program == pytest.approx(21.0)
+    assert fitted.gemm_efficiency[key_dh] == pytest.approx(0.62, rel=0.02)
     path = tmp_path / "hw.json"
     save_constants(fitted, path)
     assert load_constants(path).calibration_samples == json.loads(json.dumps(samples))

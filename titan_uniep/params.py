@@ -53,9 +53,9 @@ _POWERS_OF_TWO = (
 _DOT_OPERANDS = tuple(n for n in _POWERS_OF_TWO if n.endswith(("block_n", "block_k")) or n.startswith("wgrad"))
 _AT_LEAST_ONE = (
     "dispatch_programs", "combine_send_programs", "fc1_num_warps", "fc2_num_warps", "dh_num_warps",
-    "da_num_warps", "wgrad_w13_num_warps", "wgrad_w2_num_warps", "fc1_programs_per_sm", "fc2_programs_per_sm",
-    "dh_programs_per_sm", "da_programs_per_sm", "dh_num_stages", "da_num_stages", "wgrad_w13_num_stages",
-    "wgrad_w2_num_stages", "interpreter_max_spins",
+    "da_num_warps", "wgrad_w13_num_warps", "wgrad_w2_num_warps", "fc2_programs_per_sm", "dh_programs_per_sm",
+    "da_programs_per_sm", "dh_num_stages", "da_num_stages", "wgrad_w13_num_stages", "wgrad_w2_num_stages",
+    "interpreter_max_spins",
 )
 
 
@@ -90,10 +90,6 @@ class LayerParams:
     """Warps per dispatch_fc1 program."""
     fc1_num_stages: int = 3
     """Software-pipelining depth of fc1's K-loop (>= 0)."""
-    fc1_programs_per_sm: int = 1
-    """dispatch_fc1 programs per SM (GPU), so one program's SwiGLU and stores overlap another's K-loop (the tile must fit)."""
-    fc1_max_registers: int | None = None
-    """Register cap per thread of dispatch_fc1 (Triton ``maxnreg``); None: the compiler's choice."""
     fc1_one_dot: bool = False
     """fc1 computes h1 and h3 in one ``block_m x 2 fc1_block_n`` product per K step over interleaved w1 | w3 columns, not two ``block_m x fc1_block_n`` ones (scores after the experts; with scores before, the two-product tile always: there the two give other bits on an H200)."""
 

@@ -236,18 +236,14 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
                       PRECISION=precision(ws), USE_TIMER=use_timer(ws), PRESUM=presum, RACE=p.debug_race,
                       SLACK=p.debug_wait_slack, SCOPE=sync_scope(ws.num_local_ranks, s.world_size))
 
-    grid_a = (grid[0] * programs_per_sm(ws, p.fc1_programs_per_sm),)
-    a_opts = dict(num_warps=p.fc1_num_warps, num_stages=p.fc1_num_stages)
-    if p.fc1_max_registers is not None:
-        a_opts["maxnreg"] = p.fc1_max_registers
-
     def dispatch_fc1(do_dispatch: int, do_fc1: int, dispatch_programs: int) -> None:
-        dispatch_fc1_kernel[grid_a](
+        dispatch_fc1_kernel[grid](
             call.x, call.x.stride(0), call.scores, ws.route_args, call.w1, call.w3, call.w1.stride(0),
             ws.h, ws.h.stride(0), h13, h13.stride(0), ws.control, ws.arena_args, ws.anchor_rank, ws.rank_base,
             do_dispatch, do_fc1, dispatch_programs, p.debug_silent_rank, timeout, int(p.local_first),
             BM=p.block_m, BN=p.fc1_block_n, BK=p.fc1_block_k, BT=p.dispatch_block_tokens, BD=p.dispatch_block_dim,
-            SAVE_H13=call.h13 is not None, ONE_DOT=p.fc1_one_dot and not score_before, **a_opts, **shape_meta,
+            SAVE_H13=call.h13 is not None, ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps,
+            num_stages=p.fc1_num_stages, **shape_meta,
         )
 
     grid_b = (grid[0] * programs_per_sm(ws, p.fc2_programs_per_sm),)
@@ -270,7 +266,7 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
         if phase == "dispatch+fc1":
             dispatch_fc1(1, 1, p.dispatch_programs)
         elif phase == "dispatch":
-            dispatch_fc1(1, 0, grid_a[0])
+            dispatch_fc1(1, 0, grid[0])
         elif phase == "fc1":
             dispatch_fc1(0, 1, 0)
         elif phase == "fc2+send+reduce":

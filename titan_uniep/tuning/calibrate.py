@@ -4,23 +4,32 @@ measured layer times, and check the model against measurements.
     python -m titan_uniep.tuning.calibrate --out h200.json             # one GPU, about 3 min (cold Triton cache)
     python -m titan_uniep.tuning.calibrate --out h200.json --tiles grid   # every tile of the search grid
     torchrun --standalone --nproc_per_node 2 -m titan_uniep.tuning.calibrate --out h200_x2.json
+    python -m titan_uniep.tuning.calibrate refit --constants h200.json --out h200.json   # anywhere
     python -m titan_uniep.tuning.calibrate fit --constants h200.json --measurements m.json --out h200_fit.json
     python -m titan_uniep.tuning.calibrate check --constants h200_fit.json --measurements m.json
 
-``measure`` (the default) starts from ``default_constants(<GPU name>)`` and
-replaces what it measures:
+``measure`` (the default) starts from ``default_constants(<GPU name>)``,
+times what the model needs on the GPU (``_measure_samples``; the samples are
+kept in the file as ``calibration_samples``) and fits the figures from them
+(``fit_samples``), which ``refit`` does again from a saved file on any
+machine:
 
 - the GPU's limits (SMs, shared memory per SM and per block, registers);
 - ``hbm_gbps``: a 1 GiB device copy (read + write bytes over time);
 - ``launch_us``: back-to-back launches of a one-element kernel;
+- ``sustained_clock`` and ``clock_settle_ms``: 300 bf16 8192^3 matmuls back
+  to back from a rested GPU, how far and how fast the rate falls
+  (``clock_constants``; the model's ``hardware.clock_factor``);
 - per tile configuration of the project's own kernels (``--tiles
   defaults``: the tuned defaults of every shape class; ``grid``: also every
   tile choice of ``space.GRID_STAGES``), the GEMM efficiency that makes the
-  model reproduce the kernel's measured time on dense rows: a simulated
-  one-rank world (every expert local, balanced routing), the sequential
-  schedule, each launch's device time from the profiler (fc1, fc2, dH, dA;
-  ``tile_key`` per configuration). The ``grouped_mm`` weight gradients give
-  ``grouped_mm_efficiency``; the dispatch launch of a simulated two-rank
+  model reproduce the kernel's measured time on dense rows (``TILE_LAYER``):
+  a simulated one-rank world (every expert local, balanced routing), the
+  sequential schedule, each launch's device time from the profiler (fc1,
+  fc2, dH, dA; ``tile_key`` per configuration, the median over the samples
+  that ran it), solved at the clock of the samples' own load. The
+  ``grouped_mm`` weight gradients give ``grouped_mm_efficiency``; the
+  dispatch launch of a simulated two-rank
   world with 8 programs gives ``copy_gbps_per_program`` (a one-rank
   dispatch copies no rows: its tiles read x in place);
 - ``grouped_mm_efficiency_by_rows``: the weight gradients' three
@@ -35,7 +44,9 @@ replaces what it measures:
   forward). On one GPU they keep the uncalibrated figures and ``source``
   says so.
 
-``fit`` sets ``stage_scale`` from measurements: per stage the geometric mean
+``refit`` fits a saved file's samples again (also dropping a ``fit``'s
+stage scales, which were fitted on the old figures). ``fit`` sets
+``stage_scale`` from measurements: per stage the geometric mean
 of measured over predicted (sequential records with per-stage times), then
 ``dispatch_overlap`` and ``reduce_tail`` by a grid search on the fused
 records' totals. ``check`` prints predicted against measured per record
@@ -431,7 +442,7 @@ def clock_constants(times_ms: list[float]) -> tuple[float, float]:
     early = float(np.median(rate[:5]))
     if early <= sustained * 1.005:  # within noise: no loss
         return 1.0, 0.0
-    rested = early * np.linspace(1.0, 1.1, 41)[:, None, None]
+    rested = early * np.linspace(1.0, 1.5, 101)[:, None, None]
     settle = np.geomspace(max(float(t[0]), 0.1), max(float(busy[-1]), 1.0), 80)[None, :, None]
     fit = sustained + (rested - sustained) * np.exp2(-busy[None, None, :] / settle)
     err = ((fit - rate[None, None, :]) ** 2).sum(axis=2)
@@ -489,26 +500,31 @@ def _fit_tiles(hw: HardwareConstants, samples: dict, log=print) -> None:
     reproduces the launch's time, per tile key the median over the samples
     that ran it (a grid sample varies one stage: the others rerun the base
     tiles); the base configuration's weight gradients give
-    ``grouped_mm_efficiency``."""
+    ``grouped_mm_efficiency``. Logs each sample's times and the figures."""
     layer = samples["tile_layer"]
     shape = LayerShape(**layer["shape"])
     stats = RoutingStats(shape.top_k, *(np.asarray(layer["routing"][n], dtype=float)
                                         for n in ("tokens", "expert_rows", "send_rows", "send_copies")))
-    solved: dict[str, list[float]] = {}
+    fields = {f.name for f in dataclasses.fields(LayerParams)}
+    kept = [sample for sample in samples["tiles"] if set(sample["overrides"]) <= fields]
     for sample in samples["tiles"]:
+        if sample not in kept:  # a configuration of a field since removed: no key of today's model
+            log(f"tiles {sample['overrides']}: skipped (fields {sorted(set(sample['overrides']) - fields)} are gone)")
+    solved: dict[str, list[float]] = {}
+    for sample in kept:
         params = LayerParams().replace(**sample["overrides"])
         for kernel, ms in sample["stages"].items():
             direction = "forward" if kernel in ("fc1", "fc2") else "backward"
             key = _params_tile_key(kernel, params, shape.hidden)
             probe = dataclasses.replace(hw, gemm_efficiency=dict(hw.gemm_efficiency))
 
-            def stage_ms(eff, kernel=kernel, key=key, probe=probe, direction=direction):
+            def stage_ms(eff, kernel=kernel, key=key, probe=probe, direction=direction, params=params):
                 probe.gemm_efficiency[key] = eff
-                pred = predict(shape, stats, 1, params, probe, schedule="sequential", busy_calls=SAMPLE_BUSY_CALLS)
+                pred = predict(shape, stats, 1, params, probe, schedule="sequential",
+                               busy_calls=SAMPLE_BUSY_CALLS)
                 return getattr(pred, direction)[kernel] - hw.launch_us * 1e-3
 
             solved.setdefault(key, []).append(_solve_efficiency(ms, stage_ms))
-            log(f"{key}: {ms:.3f} ms -> efficiency {solved[key][-1]:.3f}")
         if "wgrad" in sample:
             probe = dataclasses.replace(hw)
 
@@ -518,8 +534,14 @@ def _fit_tiles(hw: HardwareConstants, samples: dict, log=print) -> None:
                                busy_calls=SAMPLE_BUSY_CALLS).backward["wgrad"]
 
             hw.grouped_mm_efficiency = round(_solve_efficiency(sample["wgrad"], wgrad_ms), 4)
-            log(f"grouped_mm weight gradients: {sample['wgrad']:.3f} ms -> efficiency {hw.grouped_mm_efficiency:.3f}")
     hw.gemm_efficiency = {key: round(float(np.median(effs)), 4) for key, effs in solved.items()}
+    for sample in kept:
+        params = LayerParams().replace(**sample["overrides"])
+        log(", ".join(f"{_params_tile_key(k, params, shape.hidden)}: {ms:.3f} ms"
+                      for k, ms in sample["stages"].items()))
+    for key, eff in sorted(hw.gemm_efficiency.items()):
+        log(f"{key}: efficiency {eff:.3f}")
+    log(f"grouped_mm weight gradients: efficiency {hw.grouped_mm_efficiency:.3f}")
 
 
 def _grouped_mm_experts(dim: int, hidden: int, num_experts: int, rows: int) -> int:
@@ -610,7 +632,7 @@ def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:
     """``tile_key`` of the tile configuration ``p`` gives ``kernel`` (as the model reads it)."""
     if kernel == "fc1":
         return tile_key("fc1_one" if p.fc1_one_dot else "fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k,
-                        p.fc1_num_warps, p.fc1_num_stages, p.fc1_programs_per_sm)
+                        p.fc1_num_warps, p.fc1_num_stages, 1)
     if kernel == "fc2":
         return tile_key("fc2_tma" if p.fc2_tma and hidden % 8 == 0 else "fc2", p.block_m, p.fc2_block_n,
                         p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages, p.fc2_programs_per_sm)

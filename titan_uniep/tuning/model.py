@@ -179,8 +179,7 @@ def _columns(points: Sequence[LayerParams], grid_default: int) -> dict[str, np.n
     a register cap None -> 0)."""
     row = operator.itemgetter(*_COLUMNS)
     cols = dict(zip(_COLUMNS, zip(*(row(p.__dict__) for p in points))))
-    for name, none in (("num_programs", grid_default), ("fc1_max_registers", 0), ("fc2_max_registers", 0),
-                       ("da_max_registers", 0)):
+    for name, none in (("num_programs", grid_default), ("fc2_max_registers", 0), ("da_max_registers", 0)):
         cols[name] = [none if v is None else v for v in cols[name]]
     return {name: np.asarray(values) for name, values in cols.items()}
 
@@ -445,7 +444,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bounds["forward.dispatch"] = (f"NVLink: {rows_out.max() * d * b / 1e6:.1f} MB out of the busiest rank"
                                   if w > 1 else "slot entries only (x read in place)")
     fc1 = gemm("fc1", h, d, 2, c["fc1_block_n"], c["fc1_block_k"], c["fc1_num_warps"], c["fc1_num_stages"],
-               c["fc1_programs_per_sm"], d * b, b * 1.5, clock_f,  # h and the saved h1 | h3: 3 outputs, 2 accumulators
+               np.ones(n), d * b, b * 1.5, clock_f,  # h and the saved h1 | h3: 3 outputs over 2 accumulators
                variant=("_one", c["fc1_one_dot"] & (not shape.score_before_experts)))  # as runtime.forward runs it
     fwd["fc1"] = slowest(fc1) + launch
     bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
@@ -520,7 +519,8 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
                       c["wgrad_w13_num_warps"], c["wgrad_w13_num_stages"], 1)
     w2 = _efficiency(hw, "wgrad_w2", c["wgrad_w2_block_m"], c["wgrad_w2_block_n"], c["wgrad_w2_block_k"],
                      c["wgrad_w2_num_warps"], c["wgrad_w2_num_stages"], 1)
-    t_triton = roofline(wgrad_flops / (hw.peak_tflops * 1e12 * clock_b) * (2 / 3 / w13 + 1 / 3 / w2), wgrad_bytes / hbm)
+    t_triton = roofline(wgrad_flops / (hw.peak_tflops * 1e12 * clock_b) * (2 / 3 / w13 + 1 / 3 / w2),
+                        wgrad_bytes / hbm)
     bwd["wgrad"] = np.where(grouped, t_grouped + 3 * launch, t_triton + 2 * launch)
     busiest = int(np.argmax(rows_rank))
     bounds["backward.wgrad"] = (f"GEMM (torch._grouped_mm where it runs: {grouped_eff[busiest]:.2f} of peak at "
@@ -601,8 +601,7 @@ def grouped_mm_wgrad_time(hw: HardwareConstants, expert_rows: np.ndarray, dim: i
     FLOPs at ``_grouped_mm_rank_efficiency`` (and ``clock``: the SM clock's
     share of its rested rate; an ``(N, 1)`` array gives ``(N, W)``) against
     HBM bytes (every expert's three weight gradients written, the rank's rows
-    read). The
-    model's ``backward.wgrad`` and the calibration of
+    read). The model's ``backward.wgrad`` and the calibration of
     ``grouped_mm_efficiency_by_rows`` both use it."""
     expert_rows = np.asarray(expert_rows, dtype=float)
     rows_rank = expert_rows.sum(axis=1) if rows_rank is None else np.asarray(rows_rank, dtype=float)

@@ -155,8 +155,6 @@ FIELDS: dict[str, Field] = {
     "fc1_block_k": Field("numerics", _K_STEPS, "fc1"),
     "fc1_num_warps": Field("schedule", _WARPS, "fc1"),
     "fc1_num_stages": Field("schedule", _STAGES, "fc1"),
-    "fc1_programs_per_sm": Field("schedule", (1, 2), "fc1"),
-    "fc1_max_registers": Field("schedule", _REGS, "fc1"),
     "fc1_one_dot": Field("schedule", _BOOL, "fc1"),
     # ---- fc2 ----
     "fc2_block_n": Field("schedule", _TILES, "fc2"),
@@ -282,8 +280,7 @@ def resources(params: LayerParams, shape: LayerShape) -> dict[str, Program]:
     bm = p.block_m
     progs = {
         "dispatch_fc1": Program(ring(p.fc1_num_stages, bm * p.fc1_block_k, 2 * p.fc1_block_k * p.fc1_block_n),
-                                acc(2, bm, p.fc1_block_n, p.fc1_num_warps), 32 * p.fc1_num_warps,
-                                p.fc1_programs_per_sm, p.fc1_max_registers),
+                                acc(2, bm, p.fc1_block_n, p.fc1_num_warps), 32 * p.fc1_num_warps, 1, None),
         "fc2_combine": Program(ring(p.fc2_num_stages, bm * p.fc2_block_k, p.fc2_block_k * p.fc2_block_n),
                                acc(1, bm, p.fc2_block_n, p.fc2_num_warps), 32 * p.fc2_num_warps,
                                p.fc2_programs_per_sm, p.fc2_max_registers),
@@ -452,10 +449,9 @@ GRID_SHARED: dict[str, tuple] = {
     "combine": ("direct", "staged"),
 }
 GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
-    ("fc1_block_n", "fc1_num_warps", "fc1_num_stages", "fc1_one_dot", "fc1_programs_per_sm", "fc1_max_registers"): (
-        (128, 8, 3, False, 1, None), (128, 8, 4, False, 1, None), (128, 8, 3, True, 1, None),
-        (128, 8, 4, True, 1, None), (64, 4, 3, False, 1, None), (64, 4, 3, True, 1, None), (64, 8, 4, False, 1, None),
-        (256, 8, 2, False, 1, None), (64, 8, 3, True, 2, 128)),
+    ("fc1_block_n", "fc1_num_warps", "fc1_num_stages", "fc1_one_dot"): (
+        (128, 8, 3, False), (128, 8, 4, False), (128, 8, 3, True), (128, 8, 4, True), (64, 4, 3, False),
+        (64, 4, 3, True), (64, 8, 4, False), (256, 8, 2, False)),
     ("fc2_block_n", "fc2_num_warps", "fc2_num_stages", "fc2_programs_per_sm", "fc2_tma", "fc2_defer_release"): (
         (256, 8, 3, 1, False, False), (256, 8, 3, 1, True, False), (256, 8, 3, 1, False, True),
         (128, 4, 3, 2, False, False), (128, 4, 3, 2, True, False), (128, 8, 3, 1, False, False)),
