@@ -34,6 +34,7 @@ JSON files with that path; every other digest is the frozen one.)
 from __future__ import annotations
 
 import os
+import platform
 import sys
 
 
@@ -65,6 +66,12 @@ def _early_device() -> str:
 
 if _early_device() == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+    # The interpreter's tl.dot is numpy's matmul, and numpy's OpenBLAS picks its fp32
+    # kernel, so its summation order, by the CPU it runs on: the frozen digests were taken
+    # with its AVX2 (Haswell) kernels, and an AVX-512 CPU picks others (SkylakeX: other
+    # bits in 4 of the 5 CI cases). OpenBLAS reads this once, when numpy loads it.
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 elif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("make_golden.py: --device cuda with TRITON_INTERPRET set; unset it (GPU goldens are compiled kernels)")
 
