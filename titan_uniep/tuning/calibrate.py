@@ -516,7 +516,7 @@ def _fit_tiles(hw: HardwareConstants, samples: dict, log=print) -> None:
         for kernel, ms in sample["stages"].items():
             direction = "forward" if kernel in ("fc1", "fc2") else "backward"
             key = _params_tile_key(kernel, params, shape.hidden)
-            probe = dataclasses.replace(hw, gemm_efficiency=dict(hw.gemm_efficiency))
+            probe = dataclasses.replace(hw, gemm_efficiency={})  # every other key at the formula's figure
 
             def stage_ms(eff, kernel=kernel, key=key, probe=probe, direction=direction, params=params):
                 probe.gemm_efficiency[key] = eff
