@@ -93,7 +93,7 @@ def main() -> int:
 
 def run(args) -> int:
 
-    case = dict(CASES[args.device], name="check_schedule_bits", kind=args.device, combine="direct", params={})
+    case = dict(CASES[args.device], name="check_schedule_bits", kind=args.device, params={})
     inputs = golden.make_inputs(case, args.device)
     shape = space.LayerShape(max(case["T"]), case["D"], case["H"], case["E"], case["K"], case["W"],
                              2 if case["dtype"] != "float32" else 4)

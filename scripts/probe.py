@@ -12,7 +12,7 @@ baseline) it times the fused forward (saving h1 | h3, as the custom op runs
 it), the fused backward, and their sequential schedules, in alternating
 rounds, and checks that the variant's outputs and gradients equal the
 baseline's bit for bit (a schedule field never changes a bit; a numerics
-field, ``*_block_k`` or ``combine="presum"``, may). ``--real-path`` (world 1)
+field, such as ``*_block_k``, may). ``--real-path`` (world 1)
 also times ``moe_forward`` on a one-rank process group against the simulated
 one-rank world: the harness must cost nothing.
 """
@@ -71,8 +71,7 @@ def main() -> None:
     points = [base.replace(**change) for change in json.loads(args.variants)]
     inp = world_inputs(t, d, h, e, k, world)
     sizes = dict(num_tokens=t, dim=d, hidden=h, num_experts=e, top_k=k, dtype=torch.bfloat16, device="cuda")
-    presum = any(p.combine != "direct" for p in points)
-    ws = Workspace.simulated(world, **sizes, params=base.replace(combine="presum") if presum else base)
+    ws = Workspace.simulated(world, **sizes, params=base)
     bws = BackwardWorkspace.simulated(world, **sizes, params=base)
     h13 = torch.empty(world, ws.shape.slot_capacity, 2 * h, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(inp["x"])

@@ -3,10 +3,9 @@
     python scripts/variant_report.py                                   # uncalibrated H200 constants
     python scripts/variant_report.py --constants h200.json --worlds 1,2,4 --shapes qwen3,deepseek,mixtral
 
-For every optional path of the layer (``VARIANTS``: the staged and the
-pre-summed combine, descriptor loads in fc2 and dA, deferred releases, own
-rows first, dispatch-first, two programs per SM, the dH tasks' slot-row
-copy), the best predicted forward + backward time
+For every optional path of the layer (``VARIANTS``: descriptor loads in fc2
+and dA, deferred releases, own rows first, dispatch-first, two programs per
+SM, the dH tasks' slot-row copy), the best predicted forward + backward time
 over the search grid (``tuning.space.enumerate_points``; with
 ``numerics=True`` for the paths that change bits) with the path on and with
 it off, and the model's verdict. A path the model never picks on any shape
@@ -30,8 +29,6 @@ SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256
 
 # name: (is the path on for a point, needs the numerics grid)
 VARIANTS = {
-    "staged combine": (lambda p: p.combine == "staged", False),
-    "pre-summed combine": (lambda p: p.combine == "presum", True),
     "fc2 descriptor loads": (lambda p: p.fc2_tma, False),
     "dA descriptor loads": (lambda p: p.da_tma, False),
     "fc2 deferred release": (lambda p: p.fc2_defer_release, False),

@@ -17,9 +17,9 @@ import torch
 
 GOLDEN = Path(__file__).parent / "golden"
 
-# One case per feature: W = 4 skewed with an empty rank, presum combine, local_first,
-# fp16, W = 1; both score modes appear.
-CI_CASES = ("cpu_w4_e8_k2_skewed_after|cpu_w2_e4_k3_presum_before|cpu_w2_e6_k2_localfirst_after|"
+# One case per feature: W = 4 skewed with an empty rank, W = 2 with K = 3 and a
+# rank without tokens, local_first, fp16, W = 1; both score modes appear.
+CI_CASES = ("cpu_w4_e8_k2_skewed_after|cpu_w2_e4_k3_random_before|cpu_w2_e6_k2_localfirst_after|"
             "cpu_w2_e4_k2_fp16_before|cpu_w1_e4_k2_random_after")
 
 

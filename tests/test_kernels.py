@@ -79,7 +79,7 @@ def rank_view(ws, r, local_buffers):
                            num_local_ranks=1, is_simulated=False, **sliced)
 
 
-@pytest.mark.parametrize("combine", ["direct", "staged", "presum"])
+@pytest.mark.parametrize("defer", [False, True], ids=["release_after_stores", "deferred_release"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (1, 6, 4, [13]),  # EP = 1: the tiles read x in place, no token rows in the arena
@@ -87,35 +87,33 @@ def rank_view(ws, r, local_buffers):
     (4, 8, 3, [7, 11, 5, 9]),
     (8, 16, 4, [5, 0, 9, 3, 7, 2, 6, 4]),  # EP = 8 (one 8-GPU node), a rank with no tokens
 ])
-def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens, score_before, combine):
+def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens, score_before, defer):
     w = make_world(world, num_experts, top_k, num_tokens, seed=1 + world)
-    params = interpreter_params(combine=combine)
+    params = interpreter_params(fc2_defer_release=defer)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.float32, params=params)
     seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)
     assert_correct(w, seq, fus, score_before=score_before)
 
 
-def test_staged_direct_and_deferred_release_combine_give_the_same_bits():
+def test_deferred_release_gives_the_same_bits():
     w = make_world(2, 8, 3, [10, 7], seed=5)
-    params = interpreter_params(combine="staged")
+    params = interpreter_params()
     ws = Workspace.simulated(2, num_tokens=10, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
                              params=params)
     outs = {}
-    for combine, defer in (("direct", True), ("direct", False), ("staged", False)):
-        outs[combine, defer] = simulated_moe_forward(
+    for defer in (True, False):
+        outs[defer] = simulated_moe_forward(
             w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-            score_before_experts=False, workspace=ws, params=params.replace(combine=combine, fc2_defer_release=defer),
+            score_before_experts=False, workspace=ws, params=params.replace(fc2_defer_release=defer),
         )
-    for key in (("direct", False), ("staged", False)):
-        for a, b in zip(outs["direct", True], outs[key]):
-            assert torch.equal(a, b), key
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("presum", [False, True], ids=["direct_or_staged", "presum"])
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing", "rank_with_no_tokens",
                                   "one_local_expert"])
-def test_fused_matches_sequential_bitwise_under_edge_routing(case, presum):
+def test_fused_matches_sequential_bitwise_under_edge_routing(case):
     if case == "skewed_one_expert":  # every token picks expert 5: one expert gets many tiles
         w = make_world(2, 8, 3, [21, 17], seed=11, force=5)
     elif case == "empty_experts":  # odd experts never picked
@@ -127,40 +125,12 @@ def test_fused_matches_sequential_bitwise_under_edge_routing(case, presum):
     else:  # El = 1, every token on both ranks
         w = make_world(2, 2, 2, [9, 5], seed=15)
     score_before = case in ("empty_experts", "one_local_expert")
-    combine = "staged" if case in ("skewed_one_expert", "rank_with_no_tokens") else "direct"
-    combine = "presum" if presum else combine
-    params = interpreter_params(combine=combine)
+    params = interpreter_params(fc2_defer_release=case in ("skewed_one_expert", "rank_with_no_tokens"))
     num_tokens, top_k = [x.shape[0] for x in w["xs"]], w["indices"][0].shape[1]
     ws = Workspace.simulated(2, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=w["w1"].shape[0],
                              top_k=top_k, dtype=torch.float32, params=params)
     seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)  # poisons ws before each run
     assert_correct(w, seq, fus, score_before=score_before)
-
-
-def test_presum_combine_is_close_to_direct_and_bitwise_across_schedules_and_calls():
-    """The presum combine sums per expert rank first (another rounding than
-    the direct combine), but both schedules share it bit for bit, also when
-    one workspace serves both combine modes."""
-    w = make_world(2, 8, 4, [12, 9], seed=71)
-    params = interpreter_params(combine="presum")
-    ws = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=4, dtype=torch.float32,
-                             params=params)
-    seq, fus = run_both(w, score_before=False, workspace=ws, params=params)
-    assert_correct(w, seq, fus, score_before=False)
-    direct = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                                   schedule="fused", score_before_experts=False, workspace=ws,
-                                   params=params.replace(combine="direct"))
-    for a, b in zip(direct, fus):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    again = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
-                                  schedule="fused", score_before_experts=False, workspace=ws, params=params)
-    for a, b in zip(again, fus):
-        assert torch.equal(a, b)
-    small = Workspace.simulated(2, num_tokens=12, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=4,
-                                dtype=torch.float32, params=params.replace(combine="direct"))
-    with pytest.raises(ValueError, match="presum"):
-        simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-                              score_before_experts=False, workspace=small, params=params)
 
 
 def test_workspace_reuse_across_calls_with_new_routing():
@@ -216,21 +186,11 @@ def test_memory_report_follows_the_documented_formula():
     assert sizes["slot_copy"] == sizes["slot_score"] == 4 * slots
     assert sizes["tile_arrivals"] == 4 * (slots // 128 + 64)
     assert sizes["h"] == slots * 768 * 2
-    assert sizes["tile_done"] == sizes["tile_arrivals"]
-    assert sizes["y"] == 0
     assert sizes["arena"] >= sum(sizes[k] for k in ("tokens", "slot_copy", "slot_score", "tile_arrivals", "returned",
-                                                    "token_arrivals", "tile_done", "counts", "count_flags"))
+                                                    "token_arrivals", "counts", "count_flags"))
     blocks = 8192 * 8 // 128  # route blocks of 128 copies (E = 128)
     assert sizes["route"] == 4 * (1 + blocks * 128 + 5 * 128 + 3 * 8192 * 8 + 4 * (slots // 128 + 64) + 1)
     assert sizes["total"] == sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"] + sizes["route"]
-    staged = memory_bytes(WorkspaceShape(**{**shape.__dict__, "staged_combine": True}))
-    assert staged["y"] == slots * 2048 * 2 and staged["total"] == sizes["total"] + staged["y"]
-    presum = memory_bytes(WorkspaceShape(**{**shape.__dict__, "presum_combine": True}))
-    assert presum["y"] == staged["y"]
-    assert presum["token_slots"] == presum["token_tiles"] == 4 * 2 * 8192 * 8
-    assert presum["partials"] == 4 * 8192 * 2 * 2048
-    assert sizes["token_slots"] == sizes["token_tiles"] == sizes["partials"] == 0
-    assert presum["arena"] == sizes["arena"] - 3 * 256 + presum["partials"] + 2 * presum["token_slots"]
     # One rank: the tiles read x in place, the arena holds no token rows.
     alone = memory_bytes(WorkspaceShape(**{**shape.__dict__, "world_size": 1}))
     assert alone["tokens"] == 0 and alone["arena"] < sizes["arena"] - sizes["tokens"]
@@ -242,8 +202,8 @@ def test_memory_report_follows_the_documented_formula():
     assert ws.memory_bytes()["route"] * 2 == sum(getattr(ws, name).nbytes for name in route)
 
 
-@pytest.mark.parametrize("combine,local_first", [("staged", False), ("presum", False), ("staged", True)])
-def test_per_rank_launches_match_the_simulated_world(combine, local_first):
+@pytest.mark.parametrize("defer,local_first", [(False, False), (True, False), (False, True)])
+def test_per_rank_launches_match_the_simulated_world(defer, local_first):
     """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
     by rank in producer-first order on shared simulated arenas, gives the same
     bits as the whole-world launch (also with ``local_first``: own rows, then
@@ -251,13 +211,13 @@ def test_per_rank_launches_match_the_simulated_world(combine, local_first):
     from titan_uniep.runtime.forward import launch_forward
     from titan_uniep.runtime.launch import CallArrays, route
 
-    world, cfg = 2, interpreter_params(combine=combine, local_first=local_first, local_first_experts=1.0)
+    world, cfg = 2, interpreter_params(fc2_defer_release=defer, local_first=local_first, local_first_experts=1.0)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     ws = Workspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                              dtype=torch.float32, params=cfg)
     whole = simulated_moe_forward(w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                   schedule="sequential", score_before_experts=False, workspace=ws)
-    views = [rank_view(ws, r, ("h", "y")) for r in range(world)]
+    views = [rank_view(ws, r, ("h",)) for r in range(world)]
     for step in ("count", "publish", "collect", "place"):
         for r in range(world):
             indices = w["indices"][r].unsqueeze(0)
@@ -266,7 +226,7 @@ def test_per_rank_launches_match_the_simulated_world(combine, local_first):
     calls = [CallArrays(x=w["xs"][r].unsqueeze(0), scores=w["scores"][r].unsqueeze(0), w1=w["w1s"][r].unsqueeze(0),
                         w2=w["w2s"][r].unsqueeze(0), w3=w["w3s"][r].unsqueeze(0),
                         out=torch.full_like(w["xs"][r], float("nan")).unsqueeze(0)) for r in range(world)]
-    for phase in ("dispatch", "fc1", "fc2", "send", "reduce"):
+    for phase in ("dispatch", "fc1", "fc2", "reduce"):
         for r in range(world):
             launch_forward(views[r], calls[r], cfg, False, [phase])
     ws.check_errors()
@@ -402,22 +362,22 @@ def _check_route(ws, cfg, indices, num_tokens, num_experts, top_k, block_m, worl
         assert torch.equal(ws.tile_order[r], expected), f"{where}: tile_order"
 
 
-@pytest.mark.parametrize("world,num_tokens,case,combine", [
-    (2, [21, 17], "random", "direct"),
-    (2, [21, 17], "skewed", "presum"),
-    (4, [9, 0, 13, 6], "random", "staged"),
-    (2, [10, 7], "rank_receives_nothing", "direct"),
+@pytest.mark.parametrize("world,num_tokens,case,defer", [
+    (2, [21, 17], "random", False),
+    (2, [21, 17], "skewed", True),
+    (4, [9, 0, 13, 6], "random", True),
+    (2, [10, 7], "rank_receives_nothing", False),
 ])
-def test_local_first_schedule_changes_no_bits(world, num_tokens, case, combine):
+def test_local_first_schedule_changes_no_bits(world, num_tokens, case, defer):
     """``LayerParams.local_first``: rows that stay on a rank are dispatched
     first by every program and the tiles holding only those run first; the
     others follow. Same outputs, bit for bit, as the default schedule (fused
     and sequential), and correct (skewed routing, a rank with no tokens, a rank
-    that receives nothing, every combine)."""
+    that receives nothing, with and without the deferred release)."""
     allowed = [0, 1, 2, 3] if case == "rank_receives_nothing" else None
     w = make_world(world, 8, 3, num_tokens, seed=31 + world, allowed=allowed,
                    force=5 if case == "skewed" else None)
-    base = interpreter_params(combine=combine, num_programs=3)
+    base = interpreter_params(fc2_defer_release=defer, num_programs=3)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                              dtype=torch.float32, params=base)
     outs = {}
@@ -444,7 +404,7 @@ def test_default_params_per_shape_choice():
 
     base = default_params(2, hidden=14336)
     assert base == LayerParams(fc1_one_dot=True) == DEFAULTS[2, "long"]
-    assert base.combine == "direct" and base.dispatch_programs == 16 and base.fc2_programs_per_sm == 1
+    assert base.dispatch_programs == 16 and base.fc2_programs_per_sm == 1
     assert (base.fc2_block_n, base.fc2_num_warps, base.da_block_k, base.da_num_warps, base.da_programs_per_sm) == (
         256, 8, 64, 8, 1)
     short_da = dict(da_block_k=32, da_num_warps=4, da_programs_per_sm=2)

@@ -31,22 +31,21 @@ def compile_all() -> None:
     bf, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     packed = dict(arena=arena_types(bf), route=route_types())
     a_ptrs = dict(**packed, x_ptr=bf, scores_ptr=f32, w1_ptr=bf, w3_ptr=bf, h_ptr=bf, h13_ptr=bf, control_ptr=i64)
-    b_ptrs = dict(**packed, h_ptr=bf, w2_ptr=bf, scores_ptr=f32, out_ptr=bf, y_ptr=bf, control_ptr=i64)
+    b_ptrs = dict(**packed, h_ptr=bf, w2_ptr=bf, scores_ptr=f32, out_ptr=bf, control_ptr=i64)
     for score_before in (False, True):
         for dim, hidden, even in ((2048, 768, True), (96, 80, False)):
             shape = dict(DIM=dim, HIDDEN=hidden, TOP_K=8, SCORE_BEFORE=score_before, PRECISION="tf32",
                          USE_TIMER=True, GROUP_M=8, BK=64, BT=16, BM=128)
             # (WORLD 1: the tiles gather x in place, scoreboard.token_rows_of)
-            for presum, save_h13, world in ((False, False, 2), (True, False, 2), (False, True, 2), (False, True, 1)):
+            for save_h13, world in ((False, 2), (True, 2), (True, 1)):
                 ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(NUM_LOCAL=1, WORLD=world, BN=128, BD=512, KP=8,
-                                                                PRESUM=presum, SAVE_H13=save_h13, **shape))
+                                                                SAVE_H13=save_h13, **shape))
                 assert "warp_group_dot" in ttgir, "fc1 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc1 K-loop is not pipelined"
-            for staged, presum in ((False, False), (True, False), (False, True)):
-                ttgir = build(fc2_combine_kernel, b_ptrs, dict(NUM_LOCAL=2, BN=256, BD=256, STAGED=staged,
-                                                               DEFER_RELEASE=not (staged or presum), PRESUM=presum,
-                                                               WORLD=2, KP=8, **shape))
+            for defer in (False, True):
+                ttgir = build(fc2_combine_kernel, b_ptrs, dict(NUM_LOCAL=2, BN=256, BD=256, DEFER_RELEASE=defer,
+                                                               WORLD=2, **shape))
                 assert "warp_group_dot" in ttgir, "fc2 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc2 K-loop is not pipelined"
@@ -58,8 +57,8 @@ def compile_all() -> None:
     shape = dict(DIM=2048, HIDDEN=768, TOP_K=8, SCORE_BEFORE=False, PRECISION="tf32", USE_TIMER=True,
                  GROUP_M=params.group_m, BK=params.fc2_block_k, BT=params.reduce_block_tokens, BM=params.block_m)
     kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
-        NUM_LOCAL=1, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False,
-        DEFER_RELEASE=params.fc2_defer_release, PRESUM=False, WORLD=2, KP=8, TMA=params.fc2_tma, **shape),
+        NUM_LOCAL=1, BN=params.fc2_block_n, BD=params.reduce_block_dim, DEFER_RELEASE=params.fc2_defer_release,
+        WORLD=2, TMA=params.fc2_tma, **shape),
         num_warps=params.fc2_num_warps, num_stages=params.fc2_num_stages, max_registers=params.fc2_max_registers)
     fit = sm90_compile.programs_per_sm(kernel, params.fc2_num_warps)
     assert fit >= params.fc2_programs_per_sm, f"fc2_combine (H=768): {fit} programs fit an SM, launched with " \
@@ -71,8 +70,8 @@ def compile_all() -> None:
     barriers = {}
     for local, world in ((1, 1), (1, 2)):
         kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
-            NUM_LOCAL=local, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
-            PRESUM=False, WORLD=world, KP=8, SCOPE=sync_scope(local, world), **shape),
+            NUM_LOCAL=local, BN=params.fc2_block_n, BD=params.reduce_block_dim, DEFER_RELEASE=False, WORLD=world,
+            SCOPE=sync_scope(local, world), **shape),
             num_warps=params.fc2_num_warps, num_stages=params.fc2_num_stages)
         sass = kernel.asm["sass"]
         barriers[world] = (sass.count("MEMBAR.ALL.SYS"), sass.count("MEMBAR.ALL.GPU"))
@@ -80,8 +79,8 @@ def compile_all() -> None:
         f"fc2_combine's (system, GPU)-scope barriers at one rank / two ranks: {barriers[1]} / {barriers[2]}"
     # LayerParams.fc2_tma: fc2's operands through tensor descriptors, pipelined into wgmma.
     ttgir = build(fc2_combine_kernel, b_ptrs, dict(
-        NUM_LOCAL=2, BN=params.fc2_block_n, BD=params.reduce_block_dim, STAGED=False, DEFER_RELEASE=False,
-        PRESUM=False, WORLD=2, KP=8, TMA=True, **shape), num_warps=params.fc2_num_warps)
+        NUM_LOCAL=2, BN=params.fc2_block_n, BD=params.reduce_block_dim, DEFER_RELEASE=False, WORLD=2, TMA=True,
+        **shape), num_warps=params.fc2_num_warps)
     assert any("warp_group_dot " in b and "async_tma_copy_global_to_local" in b for b in sm90_compile.loops(ttgir)), \
         "fc2 with tensor descriptors: the K-loop is not a pipelined TMA + wgmma loop"
     layout = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32)

@@ -51,7 +51,7 @@ def fake_model(monkeypatch):
         "fc2_block_n": _field("schedule", "fc2"),
         "fc2_tma": _field("schedule", "fc2"),
         "fc1_block_k": _field("numerics", "fc1"),
-        "combine": _field("mixed", "combine", lambda v: v == "presum"),
+        "reduce_block_dim": _field("mixed", "fc2", lambda v: min(v, 256)),  # (a forward stage in this space)
         "da_num_warps": _field("schedule", "da"),
         "da_block_n": _field("schedule", "da"),
         "reduce_block_tokens": _field("schedule", "reduce"),
@@ -84,20 +84,21 @@ def test_candidates_are_the_default_then_the_best_distinct_projected_points(fake
         base.replace(fc2_block_n=256),  # the same forward point again
         base.replace(fc2_block_n=16),  # infeasible
         base.replace(fc1_block_k=32, dispatch_programs=32),  # numerics field reset: dispatch only
-        base.replace(combine="presum"),  # changes bits: projects onto the default, a repeat
-        base.replace(combine="staged", timeout_s=5.0),  # staged keeps the bits; timeouts are never tuned
+        base.replace(reduce_block_dim=128),  # changes bits: projects onto the default, a repeat
+        base.replace(reduce_block_dim=1024, timeout_s=5.0),  # keeps the bits (as 512); timeouts are never tuned
         base.replace(block_m=64),
     ]
     options = tune.SearchOptions(top=3, neighbours=False)
     got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", options, None)]
     assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=32),
-                   base.replace(combine="staged")]
+                   base.replace(reduce_block_dim=1024)]
     got = [p for p, _ in tune.candidates(LAYER, None, 1, "backward", options, None)]
     assert got == [base, base.replace(da_num_warps=8), base.replace(dispatch_programs=32),
                    base.replace(block_m=64)]
     numerics = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=9, numerics=True,
                                                                                         neighbours=False), None)]
-    assert base.replace(fc1_block_k=32, dispatch_programs=32) in numerics and base.replace(combine="presum") in numerics
+    assert base.replace(fc1_block_k=32, dispatch_programs=32) in numerics
+    assert base.replace(reduce_block_dim=128) in numerics
 
 
 def test_of_points_the_model_cannot_tell_apart_the_simplest_is_measured(fake_model):

@@ -183,11 +183,9 @@ def bench_shape(name, shape, args, group, mesh, dev):
         from .bench_backward import tuned_points
 
         tuned, tuned_reason = tuned_points(args.tuned_cache, shape, world, dtype, dev, args.score_before)["forward"]
-    # A workspace built for the presum combine serves every combine mode.
-    needs_y = any(point.combine != "direct" for point in (params, *sweep))
     sizes = dict(num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, dtype=dtype,
                  device=dev)
-    ws = Workspace.for_group(group, **sizes, params=params.replace(combine="presum") if needs_y else params)
+    ws = Workspace.for_group(group, **sizes, params=params)
     tuned_ws = None if tuned is None else Workspace.for_group(group, **sizes, params=tuned)
     sb = args.score_before
     slots = ws.shape.slot_capacity
@@ -371,7 +369,7 @@ def main(argv=None) -> None:
                         help="override a LayerParams field of the default point (repeatable)")
     parser.add_argument("--sweep-params", default="[]",
                         help='JSON list of LayerParams overrides whose fused forward to time too, e.g. '
-                             '\'[{"dispatch_programs": 32}, {"combine": "staged"}]\'')
+                             '\'[{"dispatch_programs": 32}, {"fc2_defer_release": true}]\'')
     parser.add_argument("--tuned-cache", default=None,
                         help="tuning cache whose entry to time as uniep_tuned (default: the cache's default path)")
     parser.add_argument("--report", default="", metavar="DIR", help="write forward.md and PNG plots into DIR")

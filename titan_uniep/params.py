@@ -18,8 +18,7 @@ field is a *schedule* choice (when a task runs, which program runs it, how a
 tile is loaded) except the GEMMs' K steps (``*_block_k``), which set the fp32
 summation order of the partial products, the dH tile width ``dh_block_n``
 (the router-score gradient sums one partial per dH column block),
-``combine = "presum"`` (per-rank fp32 partial sums), ``reduce_block_dim``
-below 256 (da_combine's score-gradient steps) and ``wgrad_backend``.
+``reduce_block_dim`` below 256 (da_combine's score-gradient steps) and ``wgrad_backend``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "COMBINES",
     "apply_overrides",
     "DEFAULTS",
     "LayerParams",
@@ -40,7 +38,6 @@ __all__ = [
     "shape_class",
 ]
 
-COMBINES = ("direct", "staged", "presum")
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
 SHAPE_CLASSES = ("short", "medium", "long")
 
@@ -52,7 +49,7 @@ _POWERS_OF_TWO = (
 )
 _DOT_OPERANDS = tuple(n for n in _POWERS_OF_TWO if n.endswith(("block_n", "block_k")) or n.startswith("wgrad"))
 _AT_LEAST_ONE = (
-    "dispatch_programs", "combine_send_programs", "fc1_num_warps", "fc2_num_warps", "dh_num_warps",
+    "dispatch_programs", "fc1_num_warps", "fc2_num_warps", "dh_num_warps",
     "da_num_warps", "wgrad_w13_num_warps", "wgrad_w2_num_warps", "fc2_programs_per_sm", "dh_programs_per_sm",
     "da_programs_per_sm", "dh_num_stages", "da_num_stages", "wgrad_w13_num_stages", "wgrad_w2_num_stages",
     "interpreter_max_spins",
@@ -109,15 +106,11 @@ class LayerParams:
     fc2_tma: bool = False
     """fc2 reads h and w2 through tensor descriptors made on the device (16-bit data on a GPU)."""
     fc2_defer_release: bool = False
-    """Direct combine: release a tile's row arrivals after the program's next tile, not right after its stores."""
+    """Release a tile's row arrivals after the program's next tile, not right after its stores."""
 
-    # ---- combine and reduce (fc2_combine and da_combine) ----
-    combine: Literal["direct", "staged", "presum"] = "direct"
-    """How fc2 rows go back: stored to the source by the tile ("direct"), sent by separate tasks ("staged"), or pre-summed per rank ("presum", other bits)."""
-    combine_send_programs: int = 16
-    """Staged combine: programs that only send before joining the reduce tasks (>= 1)."""
+    # ---- reduce (fc2_combine and da_combine) ----
     reduce_block_tokens: int = 16
-    """Tokens per reduce task (power of two; <= block_m with presum)."""
+    """Tokens per reduce task (power of two)."""
     reduce_block_dim: int = 512
     """Columns a reduce task sums per step (power of two; da_combine takes at most 256 with scores before the experts)."""
 
@@ -185,7 +178,7 @@ class LayerParams:
     debug_silent_rank: int = -1
     """Testing only: this rank runs no dispatch tasks (sends nothing), to prove a missing peer ends in a clear error."""
     debug_race: bool = False
-    """Testing only: race mode (kernels.scoreboard; Workspace.race_report), for a workspace built with it; not with combine="presum"."""
+    """Testing only: race mode (kernels.scoreboard; Workspace.race_report), for a workspace built with it."""
     debug_race_keep: float = 0.9
     """Testing only, race mode: the fraction of rows, in (0, 1], each producer delivers."""
     debug_race_seed: int = 0
@@ -210,15 +203,8 @@ class LayerParams:
         for name in ("fc1_num_stages", "fc2_num_stages"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerParams.{name} must be >= 0, got {getattr(self, name)}")
-        if self.combine not in COMBINES:
-            raise ValueError(f"LayerParams.combine must be one of {COMBINES}, got {self.combine!r}")
         if self.wgrad_backend not in WGRAD_BACKENDS:
             raise ValueError(f"LayerParams.wgrad_backend must be one of {WGRAD_BACKENDS}, got {self.wgrad_backend!r}")
-        if self.combine == "presum" and self.reduce_block_tokens > self.block_m:
-            raise ValueError(
-                f"LayerParams.reduce_block_tokens ({self.reduce_block_tokens}) must be <= block_m ({self.block_m}) "
-                "with combine='presum' (its tasks split a tile's rows into blocks of that many)"
-            )
         if not 0.0 <= self.local_first_experts <= 1.0:
             raise ValueError(f"LayerParams.local_first_experts must be in [0, 1], got {self.local_first_experts}")
         if not 0.0 < self.debug_race_keep <= 1.0:
@@ -226,17 +212,8 @@ class LayerParams:
         if self.debug_race_seed < 0 or self.debug_wait_slack < 0:
             raise ValueError(f"LayerParams.debug_race_seed and debug_wait_slack must be >= 0, got "
                              f"{self.debug_race_seed} and {self.debug_wait_slack}")
-        if self.debug_race and self.combine == "presum":
-            raise ValueError("LayerParams.debug_race checks the 'direct' and 'staged' combines; use one of them "
-                             "(combine='presum' sums partials its race mode does not stamp)")
         if not self.timeout_s > 0:
             raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
-        # (dispatch_programs may reach the grid: every program then dispatches first)
-        if self.num_programs is not None and self.num_programs <= self.combine_send_programs:
-            raise ValueError(
-                f"LayerParams.num_programs ({self.num_programs}) must exceed combine_send_programs "
-                f"({self.combine_send_programs}): the staged combine's send-only programs are the grid's last"
-            )
 
 
 def shape_class(hidden: int) -> str:
@@ -280,7 +257,7 @@ def interpreter_params(**changes) -> LayerParams:
         block_m=16, num_programs=2, group_m=2, dispatch_programs=1, dispatch_block_tokens=4, dispatch_block_dim=16,
         fc1_block_n=16, fc1_block_k=16, fc1_num_warps=4, fc1_num_stages=1,
         fc2_block_n=16, fc2_block_k=16, fc2_num_warps=4, fc2_num_stages=1,
-        combine_send_programs=1, reduce_block_tokens=4, reduce_block_dim=16,
+        reduce_block_tokens=4, reduce_block_dim=16,
         dh_block_n=16, dh_block_k=16, dh_num_warps=4, dh_num_stages=1, dh_programs_per_sm=1,
         da_block_n=16, da_block_k=16, da_num_warps=4, da_num_stages=1, da_programs_per_sm=1, da_tma=False,
         wgrad_w13_block_m=16, wgrad_w13_block_n=16, wgrad_w13_block_k=16, wgrad_w13_num_warps=4,

@@ -66,7 +66,7 @@ __all__ = ["MoELayer", "SearchOptions", "config_layers", "main", "predictions", 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which stages of tuning.space.FIELDS each direction's kernels read.
 DIRECTION_STAGES = {
-    "forward": {"all", "dispatch", "fc1", "fc2", "combine", "reduce"},
+    "forward": {"all", "dispatch", "fc1", "fc2", "reduce"},
     "backward": {"all", "dispatch", "reduce", "dh", "da", "wgrad"},
 }
 
@@ -429,8 +429,8 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
     workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 
     def workspace(point: LayerParams, direction: str):
-        # One per buffer-sizing choice (block_m, the combine mode's buffers), built with the point.
-        key = (direction, point.block_m, point.combine if direction == "forward" else "direct")
+        # One per buffer-sizing choice (block_m), built with the point.
+        key = (direction, point.block_m)
         if key not in workspaces:
             kind = Workspace if direction == "forward" else BackwardWorkspace
             workspaces[key] = kind.for_group(group, **sizes, params=point)

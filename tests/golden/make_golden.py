@@ -102,7 +102,6 @@ _CPU_BASE = [
     dict(name="cpu_w4_e8_k2_skewed", W=4, E=8, K=2, T=[3, 0, 5, 2], H=24, routing="skewed", seed=103),
     dict(name="cpu_w4_e4_k1_skewed", W=4, E=4, K=1, T=[5, 3, 0, 7], H=48, D=24, routing="skewed",
          seed=104),  # El = 1
-    dict(name="cpu_w2_e4_k3_presum", W=2, E=4, K=3, T=[9, 6], H=24, routing="random", seed=105, combine="presum"),
     dict(name="cpu_w2_e6_k2_localfirst", W=2, E=6, K=2, T=[7, 9], H=24, routing="skewed", seed=106,
          params=dict(local_first=True)),
     dict(name="cpu_w2_e4_k2_fp16", W=2, E=4, K=2, T=[9, 7], H=24, routing="random", seed=107, dtype="float16"),
@@ -127,8 +126,7 @@ def _expand(base: list[dict]) -> list[dict]:
     cases = []
     for c in base:
         for score_before in (False, True):
-            case = dict(c, combine=c.get("combine", "direct"), params=dict(c.get("params", {})),
-                        score_before=score_before)
+            case = dict(c, params=dict(c.get("params", {})), score_before=score_before)
             case["name"] = f"{c['name']}_{'before' if score_before else 'after'}"
             cases.append(case)
     return cases
@@ -197,7 +195,7 @@ def _import_titan_uniep():
 
 def make_params(case: dict):
     """The LayerParams of a case: interpreter tiles on CPU; on the GPU exactly
-    ``default_params(W, hidden=H)``; ``combine`` and ``params`` applied on top
+    ``default_params(W, hidden=H)``; ``params`` applied on top
     (the cases name the fields by their names when the digests were frozen:
     ``local_first`` kept its name)."""
     _import_titan_uniep()
@@ -205,10 +203,8 @@ def make_params(case: dict):
 
     changes = dict(case["params"])
     if case["kind"] == "cpu":
-        return interpreter_params(combine=case["combine"], **changes)
+        return interpreter_params(**changes)
     params = default_params(case["W"], hidden=case["H"])
-    if case["combine"] != params.combine:
-        changes["combine"] = case["combine"]
     return params.replace(**changes) if changes else params
 
 

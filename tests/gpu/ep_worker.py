@@ -31,13 +31,11 @@ from titan_uniep.params import default_params
 from titan_uniep.runtime import Workspace, moe_forward
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 16, 4, 1000
-# Combine modes checked in part 1 (UNIEP_EP_COMBINES="direct,presum" keeps a short device run short).
-# (combine, fc2_defer_release, local_first)
-_ALL_COMBINES = {"direct": ("direct", False, False), "deferred": ("direct", True, False),
-                 "staged": ("staged", False, False), "presum": ("presum", False, False),
-                 "local_first": ("direct", False, True)}
-COMBINE_NAMES = os.environ.get("UNIEP_EP_COMBINES", ",".join(_ALL_COMBINES)).split(",")
-COMBINES = [_ALL_COMBINES[c] for c in COMBINE_NAMES]
+# Schedule variants checked in part 1 (UNIEP_EP_VARIANTS="direct" keeps a short device run short).
+# (fc2_defer_release, local_first)
+_ALL_VARIANTS = {"direct": (False, False), "deferred": (True, False), "local_first": (False, True)}
+VARIANT_NAMES = os.environ.get("UNIEP_EP_VARIANTS", ",".join(_ALL_VARIANTS)).split(",")
+VARIANTS = [_ALL_VARIANTS[c] for c in VARIANT_NAMES]
 
 
 def log(msg):
@@ -88,11 +86,9 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     w1, w2, w3 = global_weights(dev)
     mine = [local(w, rank, world) for w in (w1, w2, w3)]
-    # Built for the presum combine (y, partials, token_slots/tiles), so every combine mode runs on it.
     shipped = default_params(world, hidden=HIDDEN)  # the defaults of this EP size and shape (params.DEFAULTS)
-    direct = shipped.replace(combine="direct")
     ws = Workspace.for_group(group, num_tokens=TOKENS, dim=DIM, hidden=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
-                             dtype=torch.bfloat16, device=dev, params=direct.replace(combine="presum"))
+                             dtype=torch.bfloat16, device=dev, params=shipped)
     log(f"workspace bytes per rank: {ws.memory_bytes()}")
 
     # 1. correctness, bitwise schedules, several routings, one workspace
@@ -101,30 +97,28 @@ def main():
         x, scores, idx = routed_inputs(seed, num_tokens, dev, force=force)
         for score_before in (False, True):
             outs = {}
-            for combine, defer, local_first in COMBINES:
+            for defer, local_first in VARIANTS:
                 for schedule in ("sequential", "fused"):
                     ws.poison()
-                    outs[schedule, combine, defer, local_first] = moe_forward(
+                    outs[schedule, defer, local_first] = moe_forward(
                         x, scores, idx, *mine, workspace=ws, schedule=schedule, score_before_experts=score_before,
                         # local_first overlaps anything only with dispatch_programs below the grid
                         # (the short-K defaults let every program dispatch first): 16, as before.
-                        params=direct.replace(combine=combine, fc2_defer_release=defer, local_first=local_first,
-                                              **(dict(dispatch_programs=16) if local_first else {})),
+                        params=shipped.replace(fc2_defer_release=defer, local_first=local_first,
+                                               **(dict(dispatch_programs=16) if local_first else {})),
                         error_check="sync",
                     )
-            # The presum combine rounds differently (fp32 partial per expert rank): its own bitwise class.
-            refs = (("sequential", "direct", False, False), ("sequential", "presum", False, False))
-            for ref in [r for r in refs if r in outs]:
-                for key, out in outs.items():
-                    if (key[1] == "presum") == (ref[1] == "presum") and not torch.equal(outs[ref], out):
-                        raise AssertionError(f"rank {rank} {name}: {key} differs from {ref}")
-                check_close(outs[ref], x, scores, idx, (w1, w2, w3), score_before, name)
-        log(f"PASS real EP {name}: fused == sequential bitwise across the modes {', '.join(COMBINE_NAMES)} "
-            "(a presum run is compared within its own rounding class), close to float64")
+            ref = next(iter(outs))
+            for key, out in outs.items():
+                if not torch.equal(outs[ref], out):
+                    raise AssertionError(f"rank {rank} {name}: {key} differs from {ref}")
+            check_close(outs[ref], x, scores, idx, (w1, w2, w3), score_before, name)
+        log(f"PASS real EP {name}: fused == sequential bitwise across the variants {', '.join(VARIANT_NAMES)}, "
+            "close to float64")
 
     def fused_forward(x, scores, idx):
         return moe_forward(x, scores, idx, *mine, workspace=ws, schedule="fused", score_before_experts=False,
-                           params=shipped)  # the shipped defaults (the workspace's are built for presum)
+                           params=shipped)
 
     # 2. no host sync on the fused path
     x, scores, idx = routed_inputs(7, TOKENS, dev)

@@ -45,16 +45,16 @@ def check_world(w, *, score_before, params=None, workspace=None):
         torch.testing.assert_close(fus.float(), layout_ref[r].float(), rtol=2e-2, atol=1e-2 * scale)
 
 
-@pytest.mark.parametrize("combine", ["direct", "staged", "presum"])
+@pytest.mark.parametrize("defer", [False, True], ids=["release_after_stores", "deferred_release"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (2, 16, 4, [700, 513]),
     (4, 16, 4, [300, 129, 0, 257]),
     (8, 32, 8, [300, 129, 0, 257, 1, 64, 200, 77]),  # EP = 8 of one node, top-8 (ranks with 0 and 1 tokens)
 ])
-def test_simulated_world_bf16(world, num_experts, top_k, num_tokens, score_before, combine):
+def test_simulated_world_bf16(world, num_experts, top_k, num_tokens, score_before, defer):
     w = make_world(world, num_experts, top_k, num_tokens, seed=world + 10 * score_before)
-    params = LayerParams(combine=combine)
+    params = LayerParams(fc2_defer_release=defer)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.bfloat16, device="cuda", params=params)
     for _ in range(2):  # the second call reuses the workspace (epochs, zeroed counters)
@@ -72,6 +72,6 @@ def test_simulated_world_bf16_edge_routing(case):
         w = make_world(2, 2, 2, [333, 100], seed=5)
     else:  # BM=64, odd comm blocks, few programs: another point of the schedule space, same results
         w = make_world(2, 16, 4, [500, 301], seed=6)
-        params = LayerParams(dispatch_programs=3, combine_send_programs=5, num_programs=20, block_m=64,
+        params = LayerParams(dispatch_programs=3, num_programs=20, block_m=64,
                              fc1_block_n=64, fc2_block_n=128, dispatch_block_tokens=8, reduce_block_tokens=8)
     check_world(w, score_before=case == "one_local_expert", params=params)

@@ -179,7 +179,7 @@ def dispatch_dh_kernel(
     if do_dispatch != 0:
         dispatch_tasks(control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base,
                        silent_rank, num_dispatch_programs, local_first, NUM_LOCAL, WORLD, DIM, TOP_K, BT, BD, KP, 2,
-                       False, USE_TIMER, RACE, SCOPE)
+                       USE_TIMER, RACE, SCOPE)
 
     if do_tiles != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)

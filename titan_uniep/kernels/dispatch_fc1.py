@@ -208,7 +208,7 @@ def dispatch_fc1_kernel(
     KP: tl.constexpr,  # next power of two >= TOP_K
     SCORE_BEFORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
-    PRESUM: tl.constexpr = False, SAVE_H13: tl.constexpr = False,
+    SAVE_H13: tl.constexpr = False,
     ONE_DOT: tl.constexpr = False,  # LayerParams.fc1_one_dot
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
@@ -219,7 +219,7 @@ def dispatch_fc1_kernel(
     if do_dispatch != 0:
         dispatch_tasks(control_ptr, x_ptr, x_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base,
                        silent_rank, num_dispatch_programs, local_first, NUM_LOCAL, WORLD, DIM, TOP_K, BT, BD, KP, 1,
-                       PRESUM, USE_TIMER, RACE, SCOPE)
+                       USE_TIMER, RACE, SCOPE)
 
     if do_fc1 != 0:
         col_blocks = tl.cdiv(HIDDEN, BN)

@@ -459,11 +459,9 @@ def exchange_counts_kernel(
     if PUBLISH:
         tile_arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_arrivals)
         token_arrivals = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.token_arrivals)
-        tile_done = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.tile_done)
         i = part * BLOCK
         while i < TILE_CAPACITY:
             tl.store(tile_arrivals + i + offs, 0, mask=i + offs < TILE_CAPACITY)
-            tl.store(tile_done + i + offs, 0, mask=i + offs < TILE_CAPACITY)
             i += PARTS * BLOCK
         i = part * BLOCK
         while i < TOKEN_CAPACITY:

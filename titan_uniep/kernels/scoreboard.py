@@ -87,7 +87,7 @@ CTL_DISPATCH_TASKS = 0  # dispatch tasks (dispatch_fc1, dispatch_dh)
 CTL_TILE_TASKS = 1  # fc1 tiles (dispatch_fc1), dH tiles (dispatch_dh)
 CTL_COMBINE_TILE_TASKS = 2  # fc2 tiles (fc2_combine), dA tiles (da_combine)
 CTL_REDUCE_TASKS = 3  # reduce tasks (fc2_combine, da_combine)
-CTL_SEND_TASKS = 4  # staged send / presum tasks (fc2_combine)
+# (word 4 is not used)
 CTL_EPOCH = 5
 CTL_OWN_DISPATCH_TASKS = 6  # dispatch of rows that stay on their rank (LayerParams.local_first)
 CTL_COUNT_PARTS = 7  # parts of the counts exchange done with their columns (kernels.route)
@@ -118,7 +118,6 @@ WAIT_COUNTS_FLAG = 1  # index: source rank whose counts never arrived
 WAIT_TILE_ROWS = 2  # index: tile whose rows never all arrived
 WAIT_TOKEN_ROWS = 3  # index: token whose K expert rows never all came back
 BAD_SLOT = 4  # index: token whose copy's slot/tile is outside the receive buffer
-WAIT_TILE_DONE = 5  # index: fc2 tile whose output a combine-send task waited for (staged combine)
 
 _CTL_EPOCH = tl.constexpr(CTL_EPOCH)
 _CTL_ERROR = tl.constexpr(CTL_ERROR)
@@ -161,12 +160,8 @@ class Arena(NamedTuple):
     returned: int  # (T_cap * K, row) expert output (or dA) of each copy
     returned_f32: int  # the same buffer's offset in fp32 elements
     token_arrivals: int  # (T_cap,) int32
-    tile_done: int  # (C,) int32
     counts: int  # (2, W, E) int64
     count_flags: int  # (2, W) int64
-    token_slots: int  # (W * T_cap * K,) int32 (presum combine)
-    token_tiles: int  # (W * T_cap * K,) int32 (presum combine)
-    partials: int  # (T_cap * W, D) fp32 (presum combine)
     abort: int  # (ABORT_WORDS,) int64: claim, abort word, first failure (every rank's, written by the first to fail)
     slot_stamps: int  # (S,) int32: epoch of the call that delivered each slot (race mode only)
     row_stamps: int  # (T_cap * K, cdiv(D, 16)) int32: epoch per returned row and column block (race mode only)
@@ -460,8 +455,7 @@ def dispatch_task(
     task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena,
     anchor_rank, silent_rank, part,
     WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr, USE_TIMER: tl.constexpr, RACE: tl.constexpr,
-    SCOPE: tl.constexpr,
+    KP: tl.constexpr, ROW_PARTS: tl.constexpr, USE_TIMER: tl.constexpr, RACE: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """``BT`` tokens of one source rank, for the destinations ``part`` selects
     (``dispatch_part``): each token's row (``ROW_PARTS`` = 1: its x row;
@@ -469,9 +463,8 @@ def dispatch_task(
     ``tokens[source * T_cap + t]`` of every rank owning one of its experts
     (with one rank, ``WORLD`` 1, no row is copied: see ``token_rows_of``);
     each copy's slot entries (``slot_copy``, ``slot_score``) at its slot
-    there; then one release arrival per copy on its tile. ``PRESUM``: also the
-    per-token slot and tile of each copy for the presum combine. ``RACE``:
-    only a seeded subset of the copies (``race_draw``), each stamped with the
+    there; then one release arrival per copy on its tile. ``RACE``: only a
+    seeded subset of the copies (``race_draw``), each stamped with the
     call's epoch at its slot (``slot_stamps``) before its arrival."""
     ROW: tl.constexpr = ROW_PARTS * DIM
     local = task // tasks_per_rank
@@ -521,18 +514,6 @@ def dispatch_task(
                  mask=ok)
         score = tl.load(scores_ptr + copies, mask=mine, other=0.0)
         tl.store(arena_ptr(arena.f32, arena, anchor_rank, peer, arena.slot_score) + slot, score, mask=ok)
-        if PRESUM:
-            # Every rank a token goes to learns, per k, the slot (and tile) of
-            # the token's copy there, or -1: all K entries of a token are
-            # written this call, before its arrivals are released.
-            for p in range(WORLD):
-                here = dest == p
-                goes_there = tl.max(tl.where(here, 1, 0), axis=1) > 0
-                entry = every_copy & goes_there[:, None] & dispatch_part(p, rank, part)
-                token_slots = arena_ptr(arena.i32, arena, anchor_rank, p, arena.token_slots)
-                tl.store(token_slots + copy_id, tl.where(here & fits, slot, -1), mask=entry)
-                token_tiles = arena_ptr(arena.i32, arena, anchor_rank, p, arena.token_tiles)
-                tl.store(token_tiles + copy_id, tl.where(here & fits, tile, -1), mask=entry)
         if RACE:
             epoch = tl.load(control + _CTL_EPOCH).to(tl.int32)
             stamps = arena_ptr(arena.i32, arena, anchor_rank, peer, arena.slot_stamps)
@@ -547,7 +528,7 @@ def dispatch_tasks(
     control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr, route, arena, anchor_rank, rank_base, silent_rank,
     num_dispatch_programs, local_first,
     NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, TOP_K: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, KP: tl.constexpr, ROW_PARTS: tl.constexpr, PRESUM: tl.constexpr, USE_TIMER: tl.constexpr,
+    BD: tl.constexpr, KP: tl.constexpr, ROW_PARTS: tl.constexpr, USE_TIMER: tl.constexpr,
     RACE: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """A megakernel's dispatch phase: the first ``num_dispatch_programs``
@@ -568,7 +549,7 @@ def dispatch_tasks(
             while task < total:
                 dispatch_task(task, tasks_per_rank, rank_base, control_ptr, x_ptr, g_ptr, x_rank_stride, scores_ptr,
                               route, arena, anchor_rank, silent_rank, part, WORLD, DIM, TOP_K, BT, BD, KP,
-                              ROW_PARTS, PRESUM, USE_TIMER, RACE, SCOPE)
+                              ROW_PARTS, USE_TIMER, RACE, SCOPE)
                 task = claim_task(control_ptr, counter)
 
 

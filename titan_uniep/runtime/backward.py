@@ -256,8 +256,7 @@ def _require_saved(saved_h13: torch.Tensor | None, caller: str, forward: str) ->
 
 
 def _backward_params(bws: BackwardWorkspace, params: LayerParams | None) -> LayerParams:
-    # The backward combines directly (its workspace has no y / partials buffers).
-    return call_params(bws.inner, params).replace(combine="direct")
+    return call_params(bws.inner, params)
 
 
 def _gather_slot_rows(bws: BackwardWorkspace, call: CallArrays, score_before: bool) -> None:

@@ -68,7 +68,7 @@ from .workspace import Workspace
 __all__ = ["PHASES", "exchange_bytes", "moe_forward", "simulated_moe_forward"]
 
 # Launches of each schedule; a phase joined by "+" is one launch doing both.
-PHASES = {"fused": ("dispatch+fc1", "fc2+send+reduce"), "sequential": ("dispatch", "fc1", "fc2", "send", "reduce")}
+PHASES = {"fused": ("dispatch+fc1", "fc2+reduce"), "sequential": ("dispatch", "fc1", "fc2", "reduce")}
 
 
 def moe_forward(
@@ -221,20 +221,11 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
     grid = (num_programs(ws, p),)
     timeout = wait_bound(ws, p)
     h13 = call.h13 if call.h13 is not None else ws.h  # never written unless saving
-    staged, presum = p.combine == "staged", p.combine == "presum"
-    if (staged and ws.y is None) or (presum and not s.presum_combine):
-        raise ValueError(
-            f"LayerParams.combine={p.combine!r} needs a workspace built with it (it allocates the fc2 output "
-            "buffer y, and for 'presum' the partials / token_slots / token_tiles arena buffers); a workspace built "
-            "with combine='presum' serves every combine mode"
-        )
-    y = ws.y if (staged or presum) else ws.h  # never read unless staged / presum
     if p.debug_race:
         ws.start_race_report(p)
     shape_meta = dict(NUM_LOCAL=ws.num_local_ranks, WORLD=s.world_size, DIM=s.dim, HIDDEN=s.hidden, TOP_K=s.top_k,
-                      KP=triton.next_power_of_2(s.top_k), SCORE_BEFORE=score_before, GROUP_M=p.group_m,
-                      PRECISION=precision(ws), USE_TIMER=use_timer(ws), PRESUM=presum, RACE=p.debug_race,
-                      SLACK=p.debug_wait_slack, SCOPE=sync_scope(ws.num_local_ranks, s.world_size))
+                      SCORE_BEFORE=score_before, GROUP_M=p.group_m, PRECISION=precision(ws), USE_TIMER=use_timer(ws),
+                      RACE=p.debug_race, SLACK=p.debug_wait_slack, SCOPE=sync_scope(ws.num_local_ranks, s.world_size))
 
     def dispatch_fc1(do_dispatch: int, do_fc1: int, dispatch_programs: int) -> None:
         dispatch_fc1_kernel[grid](
@@ -242,8 +233,9 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             ws.h, ws.h.stride(0), h13, h13.stride(0), ws.control, ws.arena_args, ws.anchor_rank, ws.rank_base,
             do_dispatch, do_fc1, dispatch_programs, p.debug_silent_rank, timeout, int(p.local_first),
             BM=p.block_m, BN=p.fc1_block_n, BK=p.fc1_block_k, BT=p.dispatch_block_tokens, BD=p.dispatch_block_dim,
-            SAVE_H13=call.h13 is not None, ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps,
-            num_stages=p.fc1_num_stages, **shape_meta,
+            KP=triton.next_power_of_2(s.top_k), SAVE_H13=call.h13 is not None,
+            ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps, num_stages=p.fc1_num_stages,
+            **shape_meta,
         )
 
     grid_b = (grid[0] * programs_per_sm(ws, p.fc2_programs_per_sm),)
@@ -252,14 +244,13 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
     if p.fc2_max_registers is not None:
         b_opts["maxnreg"] = p.fc2_max_registers
 
-    def fc2_combine(do_fc2: int, do_send: int, do_reduce: int, send_programs: int) -> None:
+    def fc2_combine(do_fc2: int, do_reduce: int) -> None:
         fc2_combine_kernel[grid_b](
             ws.h, ws.h.stride(0), call.w2, call.w2.stride(0), call.scores, ws.route_args, call.out,
-            call.out.stride(0), y, y.stride(0), ws.control, ws.arena_args, ws.anchor_rank, ws.rank_base,
-            do_fc2, do_send, do_reduce, send_programs, timeout, *(b_rows or (0, 0)),
+            call.out.stride(0), ws.control, ws.arena_args, ws.anchor_rank, ws.rank_base,
+            do_fc2, do_reduce, timeout, *(b_rows or (0, 0)),
             BM=p.block_m, BN=p.fc2_block_n, BK=p.fc2_block_k, BT=p.reduce_block_tokens, BD=p.reduce_block_dim,
-            STAGED=staged, DEFER_RELEASE=p.fc2_defer_release and p.combine == "direct", TMA=b_rows is not None,
-            **b_opts, **shape_meta,
+            DEFER_RELEASE=p.fc2_defer_release, TMA=b_rows is not None, **b_opts, **shape_meta,
         )
 
     for phase in phases:
@@ -269,14 +260,11 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             dispatch_fc1(1, 0, grid[0])
         elif phase == "fc1":
             dispatch_fc1(0, 1, 0)
-        elif phase == "fc2+send+reduce":
-            fc2_combine(1, 1, 1, p.combine_send_programs if staged else 0)
+        elif phase == "fc2+reduce":
+            fc2_combine(1, 1)
         elif phase == "fc2":
-            fc2_combine(1, 0, 0, 0)
-        elif phase == "send":
-            if staged or presum:
-                fc2_combine(0, 1, 0, 0)
+            fc2_combine(1, 0)
         elif phase == "reduce":
-            fc2_combine(0, 0, 1, 0)
+            fc2_combine(0, 1)
         else:
             raise ValueError(f"unknown phase {phase!r}")

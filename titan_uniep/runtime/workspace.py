@@ -19,15 +19,9 @@ slot_copy          4 * S              dispatch (slot -> copy id)
 slot_score         4 * S              dispatch (router score of the slot)
 tile_arrivals      4 * C              dispatch (release), fc1 waits
 returned           T * K * D * b      fc2 (expert output of each copy)
-token_arrivals     4 * T              fc2 / send (release), reduce waits
-tile_done          4 * C              fc2 (staged combine), send waits
+token_arrivals     4 * T              fc2 (release), reduce waits
 counts             2 * W * E * 8      counts exchange (two epochs' tables)
 count_flags        2 * W * 8          counts exchange (epoch of each table)
-token_slots        4 * W * T * K      dispatch (copy id -> slot here, or -1;
-                                      presum combine only, else 0)
-token_tiles        4 * W * T * K      dispatch (copy id -> tile here; presum)
-partials           4 * T * W * D      presum tasks (fp32 partial of token t
-                                      from expert rank r at row t * W + r)
 abort              8 * ABORT_WORDS    the first failing rank (claim, abort
                                       word, its error record)
 slot_stamps        4 * S              dispatch (race mode only, else 0)
@@ -36,9 +30,8 @@ row_stamps         4 * T * K *        combine (race mode only, else 0)
 =================  =================  =====================================
 
 each rounded up to 256 bytes. Local (not symmetric) per rank: ``h``
-``S * H * b`` (fc1 output), ``y`` ``S * D * b`` (fc2 output, staged or
-presum combine only), the exchanged ``counts_all`` ``W * E * 8``, ``CONTROL_WORDS * 8`` of
-control words (task counters, epoch, error record), and the current call's
+``S * H * b`` (fc1 output), the exchanged ``counts_all`` ``W * E * 8``,
+``CONTROL_WORDS * 8`` of control words (task counters, epoch, error record), and the current call's
 layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
 ``block_counts`` ``(NB, E)`` with ``NB = ceil(T * K / route_block(E))``,
 ``route_tables`` ``(5, E)``, ``dest_rank``/``dest_slot``/``dest_tile``
@@ -95,7 +88,6 @@ from ..kernels.scoreboard import (
     RACE_KEEP_ONE,
     STOPPED,
     WAIT_COUNTS_FLAG,
-    WAIT_TILE_DONE,
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
     Arena,
@@ -110,9 +102,7 @@ _ALIGN = 256
 # Element type of each arena buffer (None: the activation dtype).
 ARENA_DTYPES = {
     "tokens": None, "slot_copy": torch.int32, "slot_score": torch.float32, "tile_arrivals": torch.int32,
-    "returned": None, "token_arrivals": torch.int32, "tile_done": torch.int32, "counts": torch.int64,
-    "count_flags": torch.int64,
-    "token_slots": torch.int32, "token_tiles": torch.int32, "partials": torch.float32,
+    "returned": None, "token_arrivals": torch.int32, "counts": torch.int64, "count_flags": torch.int64,
     "abort": torch.int64, "slot_stamps": torch.int32, "row_stamps": torch.int32,
 }
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -131,8 +121,6 @@ class WorkspaceShape:
     top_k: int
     dtype: torch.dtype
     block_m: int
-    staged_combine: bool = False
-    presum_combine: bool = False
     race_stamps: bool = False  # the arrival stamps of race mode (LayerParams.debug_race, testing only)
 
     @property
@@ -148,11 +136,6 @@ class WorkspaceShape:
         return tile_capacity(self.slot_capacity, self.num_local_experts, self.block_m)
 
     @property
-    def needs_y(self) -> bool:
-        """Whether fc2 writes its output locally (``y``) before it is combined."""
-        return self.staged_combine or self.presum_combine
-
-    @property
     def elem_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
@@ -166,13 +149,8 @@ class WorkspaceShape:
             "tile_arrivals": 4 * c,
             "returned": t * k * d * b,
             "token_arrivals": 4 * t,
-            "tile_done": 4 * c,
             "counts": 2 * w * e * 8,
             "count_flags": 2 * w * 8,
-            # Presum combine only (appended: the other offsets do not depend on it).
-            "token_slots": 4 * w * t * k if self.presum_combine else 0,
-            "token_tiles": 4 * w * t * k if self.presum_combine else 0,
-            "partials": 4 * t * w * d if self.presum_combine else 0,
             "abort": 8 * ABORT_WORDS,
             # Race mode only: a slot's and a returned row's (per 16 columns) arrival stamp.
             "slot_stamps": 4 * s if self.race_stamps else 0,
@@ -191,18 +169,16 @@ class WorkspaceShape:
 def memory_bytes(shape: WorkspaceShape) -> dict[str, int]:
     """Bytes per rank, by buffer (see the module docstring for the formulas).
     Keys: the arena buffers, ``"arena"`` (their padded total, symmetric),
-    ``"h"``, ``"y"``, ``"counts_all"``, ``"control"``, ``"route"`` (local: the
+    ``"h"``, ``"counts_all"``, ``"control"``, ``"route"`` (local: the
     layout arrays of ``kernels.route``) and ``"total"``."""
     sizes = dict(shape.arena_sizes())
     sizes["arena"] = shape.arena_offsets()[1]
     sizes["h"] = shape.slot_capacity * shape.hidden * shape.elem_size
-    sizes["y"] = shape.slot_capacity * shape.dim * shape.elem_size if shape.needs_y else 0
     sizes["counts_all"] = shape.world_size * shape.num_experts * 8
     sizes["control"] = CONTROL_WORDS * 8
     t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
     sizes["route"] = 4 * (1 + max(1, num_route_blocks(t, k, e)) * e + ROUTE_TABLE_ROWS * e + 3 * t * k + 4 * c + 1)
-    sizes["total"] = (sizes["arena"] + sizes["h"] + sizes["y"] + sizes["counts_all"] + sizes["control"]
-                      + sizes["route"])
+    sizes["total"] = sizes["arena"] + sizes["h"] + sizes["counts_all"] + sizes["control"] + sizes["route"]
     return sizes
 
 
@@ -214,7 +190,6 @@ _FORWARD_WAITS = {
     WAIT_COUNTS_FLAG: "the counts exchange, waiting for rank {index}'s per-expert counts (count_flags[{index}])",
     WAIT_TILE_ROWS: "dispatch_fc1 (fc1 tile), waiting for the dispatched rows of tile {index} (tile_arrivals[{index}])",
     WAIT_TOKEN_ROWS: "fc2_combine (reduce), waiting for token {index}'s expert outputs (token_arrivals[{index}])",
-    WAIT_TILE_DONE: "fc2_combine (send / presum), waiting for fc2 of tile {index} (tile_done[{index}])",
     BAD_SLOT: "dispatch_fc1 (dispatch): token {index} has a copy whose slot is outside the receive buffer "
     "(a token routed to the same expert twice, or a corrupted counts table)",
 }
@@ -261,7 +236,7 @@ class Workspace:
         """Real EP: collective over ``group`` (every rank calls it with the same
         arguments). ``num_tokens``: the token capacity per rank. ``params``:
         the default of every call on it (``params.default_params`` of the EP
-        size and shape if None); its ``block_m`` and ``combine`` size buffers."""
+        size and shape if None); its ``block_m`` sizes the tile buffers."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device("cuda", device) if isinstance(device, int) else device
@@ -270,7 +245,7 @@ class Workspace:
         world_size = dist.get_world_size(group)
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
-                               params.combine == "staged", params.combine == "presum", params.debug_race)
+                               params.debug_race)
         return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, params=params,
                    group=group)
 
@@ -282,7 +257,7 @@ class Workspace:
         the whole world); ``params`` as ``for_group``."""
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
-                               params.combine == "staged", params.combine == "presum", params.debug_race)
+                               params.debug_race)
         return cls(shape=shape, rank_base=0, num_local_ranks=world_size, device=torch.device(device),
                    params=params, group=None)
 
@@ -320,8 +295,6 @@ class Workspace:
             for name, dt in ARENA_DTYPES.items()
         }
         self.h = torch.empty(n, shape.slot_capacity, shape.hidden, dtype=shape.dtype, device=dev)
-        self.y = (torch.empty(n, shape.slot_capacity, shape.dim, dtype=shape.dtype, device=dev)
-                  if shape.needs_y else None)
         self.counts_all = torch.zeros(n, shape.world_size, shape.num_experts, dtype=torch.int64, device=dev)
         # The layout of the current call, written by the route kernels (kernels.route), read by the megakernels.
         t, k, e, c = shape.token_capacity, shape.top_k, shape.num_experts, shape.tile_capacity
@@ -342,8 +315,8 @@ class Workspace:
         self.arena_args = Arena(
             self.arena_ptrs, self.anchors[shape.dtype], self.anchors[torch.int32], self.anchors[torch.float32],
             self.anchors[torch.int64], off["tokens"], off["slot_copy"], off["slot_score"], off["tile_arrivals"],
-            off["returned"], self.offsets["returned"] // 4, off["token_arrivals"], off["tile_done"], off["counts"],
-            off["count_flags"], off["token_slots"], off["token_tiles"], off["partials"], off["abort"],
+            off["returned"], self.offsets["returned"] // 4, off["token_arrivals"], off["counts"],
+            off["count_flags"], off["abort"],
             off["slot_stamps"], off["row_stamps"], shape.token_capacity, shape.slot_capacity, shape.tile_capacity,
         )
         self.route_args = Route(
@@ -392,12 +365,7 @@ class Workspace:
                     float("nan"))
             self.arena_view(local, "returned", s.dtype, (s.token_capacity * s.top_k, s.dim)).fill_(float("nan"))
             self.arena_view(local, "slot_score", torch.float32, (s.slot_capacity,)).fill_(float("nan"))
-            if s.presum_combine:
-                self.arena_view(local, "partials", torch.float32, (s.token_capacity * s.world_size, s.dim)).fill_(
-                    float("nan"))
         self.h.fill_(float("nan"))
-        if self.y is not None:
-            self.y.fill_(float("nan"))
 
     def ensure_capacity(self, num_tokens: int) -> bool:
         """Grow the buffers so every rank can route ``num_tokens`` tokens per
@@ -601,7 +569,6 @@ class BackwardWorkspace:
     def for_group(cls, group, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
                   dtype: torch.dtype, device=None, params: LayerParams | None = None) -> "BackwardWorkspace":
         """Real EP: collective over ``group`` (same arguments on every rank)."""
-        params = _direct(params, dist.get_world_size(group), hidden)
         inner = Workspace.for_group(group, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device, params=params)
         return cls(inner, dim)
@@ -612,7 +579,7 @@ class BackwardWorkspace:
         """Every rank's buffers in this process (one launch runs the world)."""
         inner = Workspace.simulated(world_size, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device,
-                                    params=_direct(params, world_size, hidden))
+                                    params=params)
         return cls(inner, dim)
 
     @property
@@ -660,8 +627,3 @@ class BackwardWorkspace:
         """Raise if a queued copy of the error record shows a failure (no sync;
         see ``Workspace.poll_errors``)."""
         self.inner.poll_errors()
-
-
-def _direct(params: LayerParams | None, world_size: int, hidden: int) -> LayerParams:
-    # The backward combines directly (no y, partials... buffers in its workspace).
-    return (params or default_params(world_size, hidden=hidden)).replace(combine="direct")

@@ -382,7 +382,7 @@ def _measure_samples(*, tiles: str, tokens: int, log=print) -> dict:
                 sample["wgrad"] = sum(ms for _, ms in bwd[da_at[0] + 1:da_at[-1]])
             # Two simulated ranks routing alike (the same experts split over them):
             # every de-duplicated row a rank sends, its own included, is one copy.
-            few = params.replace(num_programs=8, combine_send_programs=1)
+            few = params.replace(num_programs=8)
             ws_few = Workspace.simulated(2, num_tokens=tokens, dim=dim, hidden=hidden, num_experts=num_experts,
                                          top_k=top_k, dtype=dtype, device=dev, params=few)
             x2 = x.expand(2, -1, -1).contiguous()

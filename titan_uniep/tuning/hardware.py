@@ -61,7 +61,7 @@ class HardwareConstants:
     peak_tflops: float  # dense 16-bit tensor-core peak
     hbm_gbps: float  # achieved device-memory copy bandwidth (read + write counted)
     nvlink_gbps: float  # achieved per-GPU NVLink bandwidth, one direction (0: unknown / one GPU)
-    copy_gbps_per_program: float  # what one program's row copies (dispatch, reduce, send) move
+    copy_gbps_per_program: float  # what one program's row copies (dispatch, reduce) move
     launch_us: float  # one kernel launch plus the gap to the next, on the stream
     exchange_us: float  # the counts exchange's publish-and-wait with peers (W > 1)
     release_us: float  # a system-scope release / acquire round trip
@@ -70,7 +70,6 @@ class HardwareConstants:
     grouped_mm_efficiency: float  # torch._grouped_mm on the weight gradients, fraction of peak (no rows table)
     roofline_p: float  # a launch's compute and memory times t_c, t_m overlap as (t_c^p + t_m^p)^(1/p)
     tma_speedup: float  # descriptor operand loads against pointer loads, for tiles not calibrated with them
-    combine_overlap: float  # fraction of the staged / presum combine hidden behind fc2 tiles (fused)
     reduce_tail: float  # fraction of a reduce launch left after the GEMM tiles (fused)
     gemm_efficiency: dict[str, float] = field(default_factory=dict)
     stage_scale: dict[str, float] = field(default_factory=dict)
@@ -165,7 +164,7 @@ def default_constants(gpu_name: str = "NVIDIA H200") -> HardwareConstants:
         max_registers_per_thread=255, max_threads_per_sm=2048, peak_tflops=989.0, hbm_gbps=4000.0,
         nvlink_gbps=360.0, copy_gbps_per_program=40.0, launch_us=4.0, exchange_us=40.0, release_us=2.0,
         tile_fixed_us=2.0, dispatch_overlap=0.5, grouped_mm_efficiency=0.64, roofline_p=1.6, tma_speedup=1.0,
-        combine_overlap=0.5, reduce_tail=0.5,
+        reduce_tail=0.5,
     )
 
 
@@ -175,7 +174,7 @@ def save_constants(hw: HardwareConstants, path: str | Path) -> None:
 
 # Constants of code that is gone, which files saved before its removal still hold: dropped on load.
 # (the recomputing backward: its one-pass dH efficiency and its dH tiles' keys in gemm_efficiency)
-_RETIRED_FIELDS = ("one_pass_dh_efficiency",)
+_RETIRED_FIELDS = ("one_pass_dh_efficiency", "combine_overlap")
 _RETIRED_TILE_KERNELS = ("dh_recompute",)
 
 

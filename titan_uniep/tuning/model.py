@@ -16,8 +16,8 @@ and its HBM time, plus the latencies it cannot hide (launches, the counts
 exchange's barrier, a release that waits for remote stores). Stages:
 
 - forward: ``exchange`` (route kernels and counts exchange), ``dispatch``,
-  ``fc1``, ``fc2``, ``combine`` (the staged combine's sends, the presum
-  tasks; the direct combine is fc2's stores), ``reduce``;
+  ``fc1``, ``fc2`` (with the combine: its tiles store their rows at the
+  sources), ``reduce``;
 - backward: ``exchange``, ``dispatch`` (``[x | dOut]`` rows), ``dh`` (G),
   ``swiglu`` (from G and the saved h1 | h3), ``gather`` (slot rows, when
   the dH tasks do not copy them), ``da``, ``reduce``, ``wgrad``
@@ -71,7 +71,7 @@ __all__ = [
     "save_constants",
 ]
 
-FORWARD_STAGES = ("exchange", "dispatch", "fc1", "fc2", "combine", "reduce")
+FORWARD_STAGES = ("exchange", "dispatch", "fc1", "fc2", "reduce")
 BACKWARD_STAGES = ("exchange", "dispatch", "dh", "swiglu", "gather", "da", "reduce", "wgrad")
 
 
@@ -433,7 +433,6 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     fwd: dict[str, np.ndarray] = {}
     bwd: dict[str, np.ndarray] = {}
     bounds: dict[str, object] = {}
-    zero = np.zeros(n)
 
     # ---- forward, each stage alone (its sequential launch) ----
     exchange = 3 * launch + (hw.exchange_us * us if w > 1 else 0.0)
@@ -448,30 +447,19 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
                variant=("_one", c["fc1_one_dot"] & (not shape.score_before_experts)))  # as runtime.forward runs it
     fwd["fc1"] = slowest(fc1) + launch
     bounds["forward.fc1"] = f"GEMM: {rows_rank.max():.0f} rows x {d} x 2 x {h}, weights once per row-tile group"
-    staged, presum = c["combine"] == "staged", c["combine"] == "presum"
-    direct = ~(staged | presum)
     tile_remote = bm * c["fc2_block_n"][:, None] * b * remote_share[None, :]
-    fc2_wait = np.where((direct & ~c["fc2_defer_release"])[:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
+    fc2_wait = np.where(~c["fc2_defer_release"][:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
     fc2_local = gemm("fc2", d, h, 1, c["fc2_block_n"], c["fc2_block_k"], c["fc2_num_warps"], c["fc2_num_stages"],
                      c["fc2_programs_per_sm"], h * b, b, clock_f, extra_tile_s=fc2_wait,
                      tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0))
     combine_link = np.maximum(back_out, back_in) * d * b / link if w > 1 else np.zeros(w)
-    fc2 = np.where(direct[:, None], np.maximum(fc2_local, combine_link[None, :]), fc2_local)
+    fc2 = np.maximum(fc2_local, combine_link[None, :])
     fwd["fc2"] = slowest(fc2) + launch
-    bounds["forward.fc2"] = "GEMM; direct combine: and " + (
+    bounds["forward.fc2"] = "GEMM and " + (
         f"{back_out.max() * d * b / 1e6:.1f} MB back over NVLink" if w > 1 else "its stores")
-    y_bytes = rows_rank * d * b
-    send_programs = np.where(staged, grid, 1.0)
-    send_rate = np.minimum(send_programs * per_prog, hbm)[:, None]
-    staged_t = np.maximum(combine_link[None, :], 2 * y_bytes[None, :] / send_rate)
-    partial_rows = (stats.send_rows * remote).sum(axis=0)  # one fp32 partial per (token, expert rank) back
-    presum_link = partial_rows * d * 4 / link if w > 1 else np.zeros(w)
-    presum_t = np.maximum(presum_link[None, :], (y_bytes + rows_rank * d * 4 / k)[None, :] / (grid[:, None] * per_prog))
-    fwd["combine"] = np.where(staged, slowest(staged_t) + launch, np.where(presum, slowest(presum_t) + launch, zero))
-    bounds["forward.combine"] = "staged: y through HBM and NVLink; presum: fp32 partials; direct: in fc2"
     reduce_rate = np.minimum(grid * per_prog, hbm)
     t_max = tokens.max()
-    reduce_read = np.where(presum, t_max * min(w, k) * d * 4, t_max * k * d * b)
+    reduce_read = t_max * k * d * b
     reduce_tasks = np.ceil(t_max / c["reduce_block_tokens"]) * np.ceil(d / np.minimum(c["reduce_block_dim"], d))
     fwd["reduce"] = ((reduce_read + t_max * d * b) / reduce_rate + reduce_tasks / grid * hw.release_us * us
                      + launch)
@@ -550,10 +538,8 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
         hidden = hw.dispatch_overlap * (grid - dispatchers) / grid
         disp_exposed = np.where(first, fwd["dispatch"] - launch, hybrid * (1 - hidden))
         exposed_f = {"exchange": fwd["exchange"], "dispatch": disp_exposed, "fc1": fc1_t + launch}
-        # fc2_combine in one launch: the combine's sends run beside the tiles,
-        # the reduce tail waits for each token's last row
+        # fc2_combine in one launch: the reduce tail waits for each token's last row
         exposed_f["fc2"] = fwd["fc2"]
-        exposed_f["combine"] = fwd["combine"] * (1 - hw.combine_overlap)
         exposed_f["reduce"] = (fwd["reduce"] - launch) * hw.reduce_tail
         # dispatch_dh: every program dispatches first (with local_first: own rows first)
         exposed_b = dict(bwd)

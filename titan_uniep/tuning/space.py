@@ -19,9 +19,7 @@ Kinds (``FIELDS[name].kind``):
   block), ``wgrad_backend`` (``torch._grouped_mm`` or the Triton kernel);
 - ``"mixed"``: some values keep the bits, others not; ``Field.order_key``
   maps a value to what sets the summation order, and a change keeps the
-  bits iff the key stays: ``combine`` (``"direct"`` and ``"staged"`` store
-  the same rows; ``"presum"`` sums per rank first) and ``reduce_block_dim``
-  (da_combine's reduce takes ``min(reduce_block_dim, 256)`` columns a step
+  bits iff the key stays: ``reduce_block_dim`` (da_combine's reduce takes ``min(reduce_block_dim, 256)`` columns a step
   with scores before the experts and sums ``<x, dA>`` per step);
 - ``"fixed"``: waits and testing hooks, never searched.
 
@@ -165,9 +163,7 @@ FIELDS: dict[str, Field] = {
     "fc2_max_registers": Field("schedule", _REGS, "fc2"),
     "fc2_tma": Field("schedule", _BOOL, "fc2"),
     "fc2_defer_release": Field("schedule", _BOOL, "fc2"),
-    # ---- combine and reduce ----
-    "combine": Field("mixed", ("direct", "staged", "presum"), "combine", order_key=lambda v: v == "presum"),
-    "combine_send_programs": Field("schedule", (1, 2, 4, 8, 16, 32), "combine"),
+    # ---- reduce ----
     "reduce_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "reduce"),
     "reduce_block_dim": Field("mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce", order_key=lambda v: min(v, 256)),
     # ---- dH ----
@@ -307,32 +303,20 @@ def resources(params: LayerParams, shape: LayerShape) -> dict[str, Program]:
 def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | None = None) -> str | None:
     """None if ``params`` can run ``shape`` on ``hw``, else the reason (the
     first constraint broken, naming the fields). ``hw`` None: no GPU limits
-    (the CPU interpreter). Checked: the field constraints of ``LayerParams``
-    that span fields (again, for points built without validation), the grid
-    (every program resident: ``num_programs`` at most the SMs, above the
-    staged combine's send programs), and per kernel that ``programs_per_sm``
+    (the CPU interpreter). Checked: the grid (every program resident:
+    ``num_programs`` at most the SMs), and per kernel that ``programs_per_sm``
     programs fit one SM: shared memory plus the per-block reserve within
-    ``hw.smem_per_sm`` together (``hw.smem_per_block`` for one), fp32 accumulators plus
-    ``REGISTER_FLOOR`` within the register cap (or 255), registers times
-    threads within ``hw.registers_per_sm``. The Triton weight gradients are
+    ``hw.smem_per_sm`` together (``hw.smem_per_block`` for one), fp32
+    accumulators plus ``REGISTER_FLOOR`` within the register cap (or 255),
+    registers times threads within ``hw.registers_per_sm``. The Triton weight gradients are
     checked also where ``torch._grouped_mm`` runs instead: a point holds for
     both backends."""
     p = params
-    if p.combine == "presum" and p.reduce_block_tokens > p.block_m:
-        return (f"reduce_block_tokens ({p.reduce_block_tokens}) must be <= block_m ({p.block_m}) with "
-                "combine='presum'")
-    if p.combine == "staged" and p.num_programs is not None and p.num_programs <= p.combine_send_programs:
-        return (f"num_programs ({p.num_programs}) must exceed combine_send_programs ({p.combine_send_programs}): "
-                "the staged combine's send-only programs would leave no program for the fc2 tiles")
     if hw is None:
         return None
     if p.num_programs is not None and p.num_programs > hw.sm_count:
         return (f"num_programs ({p.num_programs}) must be at most the SMs ({hw.sm_count}): every spin-wait needs "
                 "the whole grid resident")
-    grid = p.num_programs or hw.sm_count
-    if p.combine == "staged" and p.combine_send_programs >= grid * p.fc2_programs_per_sm:
-        return (f"combine_send_programs ({p.combine_send_programs}) must be below the fc2_combine grid "
-                f"({grid} x fc2_programs_per_sm {p.fc2_programs_per_sm})")
     for kernel, prog in resources(p, shape).items():
         reason = _kernel_misfit(prog, hw)
         if reason:
@@ -427,8 +411,6 @@ def sample(rng: random.Random, shape: LayerShape, *, numerics: bool = False, bas
             changes["num_programs"] = rng.randint(2, hw.sm_count)
         else:
             changes["num_programs"] = None
-        if changes["num_programs"] is not None:
-            changes["combine_send_programs"] = min(changes["combine_send_programs"], changes["num_programs"] - 1)
         point = LayerParams(**{**base.__dict__, **changes})  # validated: a sample is a user-facing point
         if feasible(point, shape, hw) is None:
             return point
@@ -446,7 +428,6 @@ GRID_SHARED: dict[str, tuple] = {
     "dispatch_programs": (16, 32, 1024),
     "dispatch_block_tokens": (16, 32),
     "local_first": (False, True),
-    "combine": ("direct", "staged"),
 }
 GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("fc1_block_n", "fc1_num_warps", "fc1_num_stages", "fc1_one_dot"): (
@@ -463,7 +444,7 @@ GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("reduce_block_tokens", "reduce_block_dim"): ((16, 512), (32, 512), (32, 256), (64, 256)),
 }
 # With opt-in numerics: joint choices of the K steps of fc1, fc2, dA and the
-# dH tile width (the first is the defaults'), and the presum combine.
+# dH tile width (the first is the defaults').
 GRID_NUMERICS: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("fc1_block_k", "fc2_block_k", "da_block_k", "dh_block_n"): (
         (64, 64, 64, 128), (64, 64, 32, 128), (32, 32, 32, 128), (64, 32, 32, 128), (64, 64, 64, 64)),
@@ -484,35 +465,29 @@ def repeats_another(point: LayerParams, shape: LayerShape) -> bool:
     """Whether ``point`` sets a field that has no effect on ``shape``, so that
     it runs as another point does: descriptor loads where the kernel cannot
     use them (not 16-bit data, or H not a multiple of what the descriptor
-    needs) and the deferred release without the direct combine."""
+    needs)."""
     tma_ok = shape.dtype_bytes == 2
     if point.fc2_tma and (not tma_ok or shape.hidden % 8):
         return True
-    if point.da_tma and (not tma_ok or shape.hidden % point.da_block_k):
-        return True
-    return point.fc2_defer_release and point.combine != "direct"
+    return bool(point.da_tma and (not tma_ok or shape.hidden % point.da_block_k))
 
 
 def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | None = None,
                      base: LayerParams | None = None, hw: HardwareConstants | None = None) -> Iterator[LayerParams]:
     """The grid the analytic model ranks for ``shape``: ``GRID_SHARED`` x one
-    choice per ``GRID_STAGES`` entry (x ``GRID_NUMERICS`` and the presum
-    combine with ``numerics``), the other fields as ``base`` (default: the
-    shape's tuned defaults). Left out: points ``feasible`` rejects on ``hw``
-    (default: the uncalibrated H200 constants) and points that repeat another
-    (a field without effect: TMA where it cannot run, deferred release
-    without the direct combine). Schedule points keep ``base``'s numerics
-    fields (and the order keys of its mixed fields), so they all give
-    ``base``'s bits. Deterministic order; at most ``limit`` points."""
+    choice per ``GRID_STAGES`` entry (x ``GRID_NUMERICS`` with
+    ``numerics``), the other fields as ``base`` (default: the shape's tuned
+    defaults). Left out: points ``feasible`` rejects on ``hw`` (default: the
+    uncalibrated H200 constants) and points that repeat another (a field
+    without effect: TMA where it cannot run). Schedule points keep
+    ``base``'s numerics fields (and the order keys of its mixed fields), so
+    they all give ``base``'s bits. Deterministic order; at most ``limit`` points."""
     base = base or shape.default_params()
     hw = hw or default_constants("NVIDIA H200")
     grid = base.num_programs or hw.sm_count
     if grid > hw.sm_count or not _fits(base, shape, hw, ("wgrad_w13", "wgrad_w2")):
         return  # what every point shares with base does not fit
     shared = {k: v for k, v in GRID_SHARED.items() if k != "block_m"}
-    combine_key = FIELDS["combine"].order_key
-    shared["combine"] = (("direct", "staged", "presum") if numerics else
-                         tuple(v for v in GRID_SHARED["combine"] if combine_key(v) == combine_key(base.combine)))
     shared_names = tuple(shared)
     stage_axes = []
     reduce_key = FIELDS["reduce_block_dim"].order_key
@@ -540,11 +515,6 @@ def enumerate_points(shape: LayerShape, *, numerics: bool = False, limit: int | 
                     changes = dict(head)
                     for part in stage_choice:
                         changes.update(part)
-                    if changes["combine"] == "presum" and changes["reduce_block_tokens"] > block_m:
-                        continue
-                    if (changes["combine"] == "staged"
-                            and base.combine_send_programs >= grid * changes["fc2_programs_per_sm"]):
-                        continue
                     point = _build(base, changes)
                     if repeats_another(point, shape):
                         continue
