@@ -117,6 +117,20 @@ def loops(ttgir: str) -> list[str]:
     return bodies
 
 
+def releases_follow_a_barrier(ptx: str) -> bool:
+    """Whether every release atomic of a PTX listing has a barrier
+    (``bar.sync``) after the global stores before it: walking back from the
+    atomic, a ``bar.sync`` comes before any ``st.global`` (and the listing
+    has a release atomic at all)."""
+    lines = [line.strip().lstrip("@%p0123456789! ") for line in ptx.split("\n")]
+    atoms = [i for i, line in enumerate(lines) if re.match(r"atom\.[a-z.]*release", line)]
+    for i in atoms:
+        before = [line for line in reversed(lines[:i]) if line.startswith(("bar.sync", "st.global"))]
+        if not before or not before[0].startswith("bar.sync"):
+            return False
+    return bool(atoms)
+
+
 def ptxas_usage(ptx: str) -> tuple[int, int]:
     """(registers, spill-store bytes) of the kernel, from the bundled ptxas."""
     from triton.backends.nvidia.compiler import get_ptxas

@@ -79,7 +79,13 @@ def rank_view(ws, r, local_buffers):
                            num_local_ranks=1, is_simulated=False, **sliced)
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["release_after_stores", "deferred_release"])
+# fc2 schedules: tiles claimed one by one (release right after the stores, or
+# deferred), or dealt to the programs in one flattened loop.
+FC2_SCHEDULES = {"claims": {}, "deferred_release": dict(fc2_defer_release=True),
+                 "flat_loop": dict(fc2_flat_loop=True)}
+
+
+@pytest.mark.parametrize("fc2", sorted(FC2_SCHEDULES))
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (1, 6, 4, [13]),  # EP = 1: the tiles read x in place, no token rows in the arena
@@ -87,28 +93,33 @@ def rank_view(ws, r, local_buffers):
     (4, 8, 3, [7, 11, 5, 9]),
     (8, 16, 4, [5, 0, 9, 3, 7, 2, 6, 4]),  # EP = 8 (one 8-GPU node), a rank with no tokens
 ])
-def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens, score_before, defer):
+def test_fused_matches_sequential_bitwise_and_references(world, num_experts, top_k, num_tokens, score_before, fc2):
     w = make_world(world, num_experts, top_k, num_tokens, seed=1 + world)
-    params = interpreter_params(fc2_defer_release=defer)
+    params = interpreter_params(**FC2_SCHEDULES[fc2])
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.float32, params=params)
     seq, fus = run_both(w, score_before=score_before, workspace=ws, params=params)
     assert_correct(w, seq, fus, score_before=score_before)
 
 
-def test_deferred_release_gives_the_same_bits():
+def test_every_fc2_schedule_gives_the_same_bits():
+    """Claimed tiles, deferred releases, the flattened loop and both together."""
     w = make_world(2, 8, 3, [10, 7], seed=5)
     params = interpreter_params()
     ws = Workspace.simulated(2, num_tokens=10, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
                              params=params)
     outs = {}
-    for defer in (True, False):
-        outs[defer] = simulated_moe_forward(
-            w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
-            score_before_experts=False, workspace=ws, params=params.replace(fc2_defer_release=defer),
-        )
-    for a, b in zip(outs[True], outs[False]):
-        assert torch.equal(a, b)
+    for defer in (False, True):
+        for flat in (False, True):
+            ws.poison()
+            outs[defer, flat] = simulated_moe_forward(
+                w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"], schedule="fused",
+                score_before_experts=False, workspace=ws,
+                params=params.replace(fc2_defer_release=defer, fc2_flat_loop=flat),
+            )
+    for key, out in outs.items():
+        for a, b in zip(outs[False, False], out):
+            assert not a.isnan().any() and torch.equal(a, b), key
 
 
 @pytest.mark.parametrize("case", ["skewed_one_expert", "empty_experts", "rank_receives_nothing", "rank_with_no_tokens",
@@ -125,7 +136,8 @@ def test_fused_matches_sequential_bitwise_under_edge_routing(case):
     else:  # El = 1, every token on both ranks
         w = make_world(2, 2, 2, [9, 5], seed=15)
     score_before = case in ("empty_experts", "one_local_expert")
-    params = interpreter_params(fc2_defer_release=case in ("skewed_one_expert", "rank_with_no_tokens"))
+    params = interpreter_params(fc2_defer_release=case in ("skewed_one_expert", "rank_with_no_tokens"),
+                                fc2_flat_loop=case in ("empty_experts", "rank_with_no_tokens"))
     num_tokens, top_k = [x.shape[0] for x in w["xs"]], w["indices"][0].shape[1]
     ws = Workspace.simulated(2, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=w["w1"].shape[0],
                              top_k=top_k, dtype=torch.float32, params=params)
@@ -202,8 +214,8 @@ def test_memory_report_follows_the_documented_formula():
     assert ws.memory_bytes()["route"] * 2 == sum(getattr(ws, name).nbytes for name in route)
 
 
-@pytest.mark.parametrize("defer,local_first", [(False, False), (True, False), (False, True)])
-def test_per_rank_launches_match_the_simulated_world(defer, local_first):
+@pytest.mark.parametrize("defer,flat,local_first", [(False, False, False), (True, True, False), (False, False, True)])
+def test_per_rank_launches_match_the_simulated_world(defer, flat, local_first):
     """The real-EP path (one rank per launch: L = 1, rank_base = r), driven rank
     by rank in producer-first order on shared simulated arenas, gives the same
     bits as the whole-world launch (also with ``local_first``: own rows, then
@@ -211,7 +223,8 @@ def test_per_rank_launches_match_the_simulated_world(defer, local_first):
     from titan_uniep.runtime.forward import launch_forward
     from titan_uniep.runtime.launch import CallArrays, route
 
-    world, cfg = 2, interpreter_params(fc2_defer_release=defer, local_first=local_first, local_first_experts=1.0)
+    world, cfg = 2, interpreter_params(fc2_defer_release=defer, fc2_flat_loop=flat, local_first=local_first,
+                                       local_first_experts=1.0)
     w = make_world(world, 8, 3, [11, 6], seed=51)
     ws = Workspace.simulated(world, num_tokens=11, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
                              dtype=torch.float32, params=cfg)

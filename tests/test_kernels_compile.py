@@ -83,6 +83,20 @@ def compile_all() -> None:
         **shape), num_warps=params.fc2_num_warps)
     assert any("warp_group_dot " in b and "async_tma_copy_global_to_local" in b for b in sm90_compile.loops(ttgir)), \
         "fc2 with tensor descriptors: the K-loop is not a pipelined TMA + wgmma loop"
+    # LayerParams.fc2_flat_loop: one loop over the program's tiles and their K steps,
+    # software-pipelined (the epilogue's stores and releases inside it), and in the
+    # PTX every release atomic comes after a barrier with no row store between them.
+    for bn, warps, tma in ((128, 4, False), (128, 4, True), (256, 8, False)):
+        kernel = sm90_compile.build(fc2_combine_kernel, b_ptrs, dict(
+            NUM_LOCAL=1, BN=bn, BD=params.reduce_block_dim, WORLD=1, SCOPE="gpu", TMA=tma, FLAT=True, **shape),
+            num_warps=warps, num_stages=3)
+        body = [b for b in sm90_compile.loops(kernel.asm["ttgir"]) if "warp_group_dot " in b]
+        assert len(body) == 1 and "atomic_rmw" in body[0] and "tt.store" in body[0], \
+            f"fc2 flat loop ({bn}, TMA {tma}): the tiles' epilogue is not inside the one K-loop"
+        assert "async_copy_global_to_local" in body[0] or "async_tma_copy_global_to_local" in body[0], \
+            f"fc2 flat loop ({bn}, TMA {tma}): the loop is not software-pipelined"
+        assert sm90_compile.releases_follow_a_barrier(kernel.asm["ptx"]), \
+            f"fc2 flat loop ({bn}, TMA {tma}): a release atomic is not separated from the row stores by a barrier"
     layout = dict(num_tokens_ptr=i32, block_counts_ptr=i32, route_tables_ptr=i32)
     for experts, local_pow2, route_block in ((128, 64, 128), (256, 128, 64), (8, 4, 128)):
         build(exchange_counts_kernel, dict(**packed, block_counts_ptr=i32, counts_all_ptr=i64, control_ptr=i64),

@@ -7,8 +7,8 @@ holds there whatever the waits do. Race mode (``LayerParams.debug_race``,
 each producer delivers a seeded random subset of its rows, every tile-rows
 and token-rows wait polls once (not ready: skipped), and a task that passed
 its wait checks the arrival stamp of every row it reads. The shipped waits
-give no violation (W = 1, 2, 4, with and without the deferred release,
-forward and backward); waits one arrival short (``debug_wait_slack = 1``, a race on a
+give no violation (W = 1, 2, 4, fc2 tiles claimed or in the flattened loop,
+with and without the deferred release, forward and backward); waits one arrival short (``debug_wait_slack = 1``, a race on a
 GPU) are caught in fc1 and dH tiles and in both reduces.
 
 Faults. The first rank whose wait runs out (or whose dispatch meets a bad
@@ -127,10 +127,10 @@ def assert_caught(ws, counts, firsts):
             assert what == 0, firsts
 
 
-def race_forward(world, defer, slack, seed=0):
+def race_forward(world, fc2, slack, seed=0):
     num_experts, top_k, tokens = WORLDS[world]
     w = make_world(world, num_experts, top_k, tokens, seed=40 + world)
-    params = interpreter_params(fc2_defer_release=defer, debug_race_seed=seed, debug_wait_slack=slack, **RACE)
+    params = interpreter_params(**fc2, debug_race_seed=seed, debug_wait_slack=slack, **RACE)
     ws = Workspace.simulated(world, num_tokens=max(tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.float32, params=params)
     ws.poison()
@@ -157,18 +157,19 @@ def race_backward(world, slack, seed=0):
     return bws.inner, *race_totals(bws.inner)
 
 
-@pytest.mark.parametrize("world,defer", [(1, False), (2, False), (2, True), (4, True)])
-def test_race_mode_finds_no_early_consumer_in_the_forward(world, defer):
-    _, counts, _ = race_forward(world, defer, slack=0)
+@pytest.mark.parametrize("world,fc2", [(1, {}), (2, {}), (2, dict(fc2_defer_release=True)),
+                                       (4, dict(fc2_defer_release=True, fc2_flat_loop=True))])
+def test_race_mode_finds_no_early_consumer_in_the_forward(world, fc2):
+    _, counts, _ = race_forward(world, fc2, slack=0)
     assert_clean(counts)
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["release_after_stores", "deferred_release"])
-def test_race_mode_catches_forward_waits_one_arrival_short(defer):
+@pytest.mark.parametrize("fc2", [{}, dict(fc2_flat_loop=True)], ids=["claims", "flat_loop"])
+def test_race_mode_catches_forward_waits_one_arrival_short(fc2):
     """The mutation CI could not see: every fc1 tile waits for one row fewer
     than it holds, every reduce for one expert row (column block) fewer than
     its tokens' K. Race mode reports both."""
-    ws, counts, firsts = race_forward(2, defer, slack=1)
+    ws, counts, firsts = race_forward(2, fc2, slack=1)
     assert_caught(ws, counts, firsts)
 
 

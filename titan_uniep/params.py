@@ -107,6 +107,8 @@ class LayerParams:
     """fc2 reads h and w2 through tensor descriptors made on the device (16-bit data on a GPU)."""
     fc2_defer_release: bool = False
     """Release a tile's row arrivals after the program's next tile, not right after its stores."""
+    fc2_flat_loop: bool = False
+    """fc2 tiles dealt to the programs in turn (no claims) in one loop that Triton flattens and software-pipelines across tiles (GPU)."""
 
     # ---- reduce (fc2_combine and da_combine) ----
     reduce_block_tokens: int = 16

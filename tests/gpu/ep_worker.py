@@ -32,8 +32,9 @@ from titan_uniep.runtime import Workspace, moe_forward
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 512, 16, 4, 1000
 # Schedule variants checked in part 1 (UNIEP_EP_VARIANTS="direct" keeps a short device run short).
-# (fc2_defer_release, local_first)
-_ALL_VARIANTS = {"direct": (False, False), "deferred": (True, False), "local_first": (False, True)}
+# (fc2_defer_release, fc2_flat_loop, local_first)
+_ALL_VARIANTS = {"direct": (False, False, False), "deferred": (True, False, False), "flat_loop": (False, True, False),
+                 "local_first": (False, False, True)}
 VARIANT_NAMES = os.environ.get("UNIEP_EP_VARIANTS", ",".join(_ALL_VARIANTS)).split(",")
 VARIANTS = [_ALL_VARIANTS[c] for c in VARIANT_NAMES]
 
@@ -97,14 +98,14 @@ def main():
         x, scores, idx = routed_inputs(seed, num_tokens, dev, force=force)
         for score_before in (False, True):
             outs = {}
-            for defer, local_first in VARIANTS:
+            for defer, flat, local_first in VARIANTS:
                 for schedule in ("sequential", "fused"):
                     ws.poison()
-                    outs[schedule, defer, local_first] = moe_forward(
+                    outs[schedule, defer, flat, local_first] = moe_forward(
                         x, scores, idx, *mine, workspace=ws, schedule=schedule, score_before_experts=score_before,
                         # local_first overlaps anything only with dispatch_programs below the grid
                         # (the short-K defaults let every program dispatch first): 16, as before.
-                        params=shipped.replace(fc2_defer_release=defer, local_first=local_first,
+                        params=shipped.replace(fc2_defer_release=defer, fc2_flat_loop=flat, local_first=local_first,
                                                **(dict(dispatch_programs=16) if local_first else {})),
                         error_check="sync",
                     )

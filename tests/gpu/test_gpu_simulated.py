@@ -45,16 +45,17 @@ def check_world(w, *, score_before, params=None, workspace=None):
         torch.testing.assert_close(fus.float(), layout_ref[r].float(), rtol=2e-2, atol=1e-2 * scale)
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["release_after_stores", "deferred_release"])
+@pytest.mark.parametrize("fc2", [{}, dict(fc2_defer_release=True), dict(fc2_flat_loop=True)],
+                         ids=["claims", "deferred_release", "flat_loop"])
 @pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
 @pytest.mark.parametrize("world,num_experts,top_k,num_tokens", [
     (2, 16, 4, [700, 513]),
     (4, 16, 4, [300, 129, 0, 257]),
     (8, 32, 8, [300, 129, 0, 257, 1, 64, 200, 77]),  # EP = 8 of one node, top-8 (ranks with 0 and 1 tokens)
 ])
-def test_simulated_world_bf16(world, num_experts, top_k, num_tokens, score_before, defer):
+def test_simulated_world_bf16(world, num_experts, top_k, num_tokens, score_before, fc2):
     w = make_world(world, num_experts, top_k, num_tokens, seed=world + 10 * score_before)
-    params = LayerParams(fc2_defer_release=defer)
+    params = LayerParams(**fc2)
     ws = Workspace.simulated(world, num_tokens=max(num_tokens), dim=DIM, hidden=HIDDEN, num_experts=num_experts,
                              top_k=top_k, dtype=torch.bfloat16, device="cuda", params=params)
     for _ in range(2):  # the second call reuses the workspace (epochs, zeroed counters)

@@ -37,6 +37,7 @@ from .scoreboard import (
     SALT_COMBINE,
     arena_ptr,
     claim_task,
+    cta_barrier,
     gemm_tile_task,
     has_failed,
     matrix_descriptor,
@@ -154,6 +155,75 @@ def reduce_task(
                          mask=mask)
 
 
+@triton.jit
+def fc2_task(
+    h_ptr, h_rank_stride, w2_ptr, weight_rank_stride, h_desc, w2_desc, control_ptr, arena, anchor_rank,
+    local, rank, col_block, expert, m0, m1, pending_source, pending_token, pending,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, COL_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr, DEFER_RELEASE: tl.constexpr, TMA: tl.constexpr, FLAT: tl.constexpr,
+    INTERPRET: tl.constexpr, RACE: tl.constexpr, SCOPE: tl.constexpr,
+):
+    """One fc2 task: the tile's product, its rows stored at their sources,
+    their arrivals released (or kept pending, ``DEFER_RELEASE``: the previous
+    tile's go out first). Rows past ``m1`` are masked (a task that is not
+    ready comes with ``m0 = m1``). Returns the pending (source, token, mask)."""
+    if TMA:
+        a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
+        b_row = local * (weight_rank_stride // HIDDEN).to(tl.int32) + expert * DIM + col_block * BN
+        y = fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN, BM, BN, BK, PRECISION).to(h_ptr.dtype.element_ty)
+        offs_m = m0 + tl.arange(0, BM)
+        mask_m = offs_m < m1
+        offs_n = col_block * BN + tl.arange(0, BN)
+        mask_n = offs_n < DIM
+    else:
+        expert_offset = local.to(tl.int64) * weight_rank_stride + expert.to(tl.int64) * DIM * HIDDEN
+        y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
+            h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
+            m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
+        )
+    if DEFER_RELEASE:
+        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
+    if RACE:
+        control = control_ptr + local * _CONTROL_WORDS
+        mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, col_block, _SALT_COMBINE)
+    slot_copy = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy)
+    source, token = store_rows_to_sources(y, offs_m, mask_m, offs_n, mask_n, slot_copy, arena, anchor_rank, DIM,
+                                          TOP_K)
+    if RACE:
+        copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
+        row = (copy_id % (arena.token_capacity * TOP_K)).to(tl.int64)
+        race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask_m, COL_BLOCKS)
+    # Every thread's row stores before any arrival is released.
+    if FLAT and not INTERPRET:
+        mask_m = mask_m & cta_barrier(m0)
+    else:
+        tl.debug_barrier()
+    return release_or_defer(source, token, mask_m, pending_source, pending_token, pending, arena, anchor_rank,
+                            DEFER_RELEASE, SCOPE)
+
+
+@triton.jit
+def fc2_dealt_task(
+    task, h_ptr, h_rank_stride, w2_ptr, weight_rank_stride, h_desc, w2_desc, route, control_ptr, arena, anchor_rank,
+    rank_base, col_blocks, timeout, pending_source, pending_token, pending,
+    NUM_LOCAL: tl.constexpr, WORLD: tl.constexpr, DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, COL_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
+    DEFER_RELEASE: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, RACE: tl.constexpr,
+    SLACK: tl.constexpr, SCOPE: tl.constexpr,
+):
+    """``fc2_task`` of a task dealt to the program (``fc2_flat_loop``): one
+    that is not ready runs with every row masked, with no branch around it."""
+    ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
+        task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
+        NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
+    return fc2_task(h_ptr, h_rank_stride, w2_ptr, weight_rank_stride, h_desc, w2_desc, control_ptr, arena, anchor_rank,
+                    local, rank, col_block, tl.where(ready, expert, 0), tl.where(ready, m0, 0), tl.where(ready, m1, 0),
+                    pending_source, pending_token, pending, DIM, HIDDEN, TOP_K, BM, BN, BK, EVEN_K, EVEN_N,
+                    COL_BLOCKS, PRECISION, DEFER_RELEASE, TMA, True, INTERPRET, RACE, SCOPE)
+
+
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "do_fc2", "do_reduce", "timeout", "h_rows", "w2_rows"])
 def fc2_combine_kernel(
     h_ptr,  # (L, S, H)
@@ -178,6 +248,8 @@ def fc2_combine_kernel(
     BT: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
+    FLAT: tl.constexpr = False,  # LayerParams.fc2_flat_loop
+    INTERPRET: tl.constexpr = False,  # TRITON_INTERPRET=1 (programs run one after another)
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
     SCOPE: tl.constexpr = "sys",  # scoreboard.sync_scope
@@ -199,51 +271,45 @@ def fc2_combine_kernel(
     pending = tl.zeros([BM], dtype=tl.int1)
     if do_fc2 != 0:
         total = NUM_LOCAL * max_over_ranks(route.num_tiles, NUM_LOCAL) * col_blocks
-        task = claim_task(control_ptr, _CTL_FC2_TASKS)
-        while task < total:
-            ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
-                task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
-                NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
-            if ready:
-                if TMA:
-                    a_row = local * (h_rank_stride // HIDDEN).to(tl.int32) + m0
-                    b_row = (local * (weight_rank_stride // HIDDEN).to(tl.int32) + expert * DIM
-                             + col_block * BN)
-                    y = fc2_tile_tma(h_desc, w2_desc, a_row, b_row, HIDDEN, BM, BN, BK,
-                                     PRECISION).to(h_ptr.dtype.element_ty)
-                    offs_m = m0 + tl.arange(0, BM)
-                    mask_m = offs_m < m1
-                    offs_n = col_block * BN + tl.arange(0, BN)
-                    mask_n = offs_n < DIM
-                else:
-                    expert_offset = (local.to(tl.int64) * weight_rank_stride
-                                     + expert.to(tl.int64) * DIM * HIDDEN)
-                    y, offs_m, mask_m, offs_n, mask_n = fc2_tile(
-                        h_ptr + local.to(tl.int64) * h_rank_stride, w2_ptr + expert_offset,
-                        m0, m1, col_block * BN, DIM, HIDDEN, BM, BN, BK, EVEN_K, EVEN_N, PRECISION,
-                    )
-                if DEFER_RELEASE:
-                    release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
-                if RACE:
-                    control = control_ptr + local * _CONTROL_WORDS
-                    mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, col_block,
-                                                 _SALT_COMBINE)
-                source, token = store_rows_to_sources(
-                    y, offs_m, mask_m, offs_n, mask_n,
-                    arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy), arena, anchor_rank,
-                    DIM, TOP_K,
-                )
-                if RACE:
-                    copy_id = tl.load(arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_copy) + offs_m,
-                                      mask=mask_m, other=0, cache_modifier=".cg")
-                    row = (copy_id % (arena.token_capacity * TOP_K)).to(tl.int64)
-                    race_stamp_rows(arena, anchor_rank, control, source, row, col_block, mask_m, COL_BLOCKS)
-                # Every thread's row stores before any arrival is released.
-                tl.debug_barrier()
-                pending_source, pending_token, pending = release_or_defer(
-                    source, token, mask_m, pending_source, pending_token, pending, arena, anchor_rank,
-                    DEFER_RELEASE, SCOPE)
+        if FLAT:
+            # fc2 tasks wait for nothing, so they need no claims: program p
+            # takes tasks p, p + P, ... in one loop around the K-loop, which
+            # Triton flattens and software-pipelines across tiles (the next
+            # tile's first operand loads are in flight during this tile's
+            # epilogue). A task that is not ready runs with every row masked
+            # (the K-loop must be the loop body's, not under an ``if``). The
+            # interpreter (which takes no tensor loop bounds) runs programs
+            # one after another: there program 0 takes every task, in a while
+            # loop, before the reduce tasks that wait for all of them.
+            if INTERPRET:
+                task = tl.where(tl.program_id(0) == 0, 0, total)
+                while task < total:
+                    pending_source, pending_token, pending = fc2_dealt_task(
+                        task, h_ptr, h_rank_stride, w2_ptr, weight_rank_stride, h_desc, w2_desc, route, control_ptr,
+                        arena, anchor_rank, rank_base, col_blocks, timeout, pending_source, pending_token, pending,
+                        NUM_LOCAL, WORLD, DIM, HIDDEN, TOP_K, BM, BN, BK, GROUP_M, EVEN_K, EVEN_N, COL_BLOCKS,
+                        PRECISION, USE_TIMER, DEFER_RELEASE, TMA, INTERPRET, RACE, SLACK, SCOPE)
+                    task += 1
+            else:
+                for task in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
+                    pending_source, pending_token, pending = fc2_dealt_task(
+                        task, h_ptr, h_rank_stride, w2_ptr, weight_rank_stride, h_desc, w2_desc, route, control_ptr,
+                        arena, anchor_rank, rank_base, col_blocks, timeout, pending_source, pending_token, pending,
+                        NUM_LOCAL, WORLD, DIM, HIDDEN, TOP_K, BM, BN, BK, GROUP_M, EVEN_K, EVEN_N, COL_BLOCKS,
+                        PRECISION, USE_TIMER, DEFER_RELEASE, TMA, INTERPRET, RACE, SLACK, SCOPE)
+        else:
             task = claim_task(control_ptr, _CTL_FC2_TASKS)
+            while task < total:
+                ready, local, rank, tile, col_block, expert, m0, m1 = gemm_tile_task(
+                    task, route, arena, anchor_rank, rank_base, control_ptr, col_blocks, 0, timeout,
+                    NUM_LOCAL, GROUP_M, False, USE_TIMER, WORLD, BM, RACE, SLACK, SCOPE)
+                if ready:
+                    pending_source, pending_token, pending = fc2_task(
+                        h_ptr, h_rank_stride, w2_ptr, weight_rank_stride, h_desc, w2_desc, control_ptr, arena,
+                        anchor_rank, local, rank, col_block, expert, m0, m1, pending_source, pending_token,
+                        pending, DIM, HIDDEN, TOP_K, BM, BN, BK, EVEN_K, EVEN_N, COL_BLOCKS, PRECISION,
+                        DEFER_RELEASE, TMA, False, INTERPRET, RACE, SCOPE)
+                task = claim_task(control_ptr, _CTL_FC2_TASKS)
         if DEFER_RELEASE:
             release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
 

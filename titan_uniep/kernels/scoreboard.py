@@ -656,6 +656,21 @@ def matrix_descriptor(ptr, rows, COLS: tl.constexpr, BR: tl.constexpr, BC: tl.co
 
 
 @triton.jit
+def cta_barrier(x):
+    """A barrier of the program's threads (``bar.sync 0``, what
+    ``tl.debug_barrier`` emits) as inline PTX, returning True (a scalar the
+    caller ANDs into the masks of what must follow it). Triton 3.6 does not
+    software-pipeline a loop whose body holds its own barrier op
+    (``LayerParams.fc2_flat_loop``); the asm has side effects, so it is
+    neither removed nor moved, and the memory accesses stay on their side of
+    it (``tests/test_kernels_compile.py`` checks the order in the PTX).
+    ``x``: any int32 scalar (the asm's dummy input). GPU only."""
+    zero = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+    return zero == 0
+
+
+@triton.jit
 def release_token_arrivals(source, token, mask, arena, anchor_rank, SCOPE: tl.constexpr):
     """One release arrival (at ``SCOPE``: ``sync_scope``) per stored row on its
     source's ``token_arrivals[t]`` (the caller put a barrier between the row

@@ -52,6 +52,7 @@ from .launch import (
     check_schedule,
     error_check_for,
     finish,
+    interpreting,
     num_programs,
     precision,
     programs_per_sm,
@@ -250,7 +251,8 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             call.out.stride(0), ws.control, ws.arena_args, ws.anchor_rank, ws.rank_base,
             do_fc2, do_reduce, timeout, *(b_rows or (0, 0)),
             BM=p.block_m, BN=p.fc2_block_n, BK=p.fc2_block_k, BT=p.reduce_block_tokens, BD=p.reduce_block_dim,
-            DEFER_RELEASE=p.fc2_defer_release, TMA=b_rows is not None, **b_opts, **shape_meta,
+            DEFER_RELEASE=p.fc2_defer_release, TMA=b_rows is not None, FLAT=p.fc2_flat_loop,
+            INTERPRET=interpreting(), **b_opts, **shape_meta,
         )
 
     for phase in phases:

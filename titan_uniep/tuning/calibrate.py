@@ -634,7 +634,8 @@ def _params_tile_key(kernel: str, p: LayerParams, hidden: int) -> str:
         return tile_key("fc1_one" if p.fc1_one_dot else "fc1", p.block_m, 2 * p.fc1_block_n, p.fc1_block_k,
                         p.fc1_num_warps, p.fc1_num_stages, 1)
     if kernel == "fc2":
-        return tile_key("fc2_tma" if p.fc2_tma and hidden % 8 == 0 else "fc2", p.block_m, p.fc2_block_n,
+        name = "fc2" + ("_flat" if p.fc2_flat_loop else "") + ("_tma" if p.fc2_tma and hidden % 8 == 0 else "")
+        return tile_key(name, p.block_m, p.fc2_block_n,
                         p.fc2_block_k, p.fc2_num_warps, p.fc2_num_stages, p.fc2_programs_per_sm)
     if kernel == "dh":
         return tile_key("dh", p.block_m, p.dh_block_n, p.dh_block_k, p.dh_num_warps, p.dh_num_stages,

@@ -451,7 +451,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     fc2_wait = np.where(~c["fc2_defer_release"][:, None], hw.release_us * us + tile_remote / per_prog, 0.0)
     fc2_local = gemm("fc2", d, h, 1, c["fc2_block_n"], c["fc2_block_k"], c["fc2_num_warps"], c["fc2_num_stages"],
                      c["fc2_programs_per_sm"], h * b, b, clock_f, extra_tile_s=fc2_wait,
-                     tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0))
+                     tma=c["fc2_tma"] & (b == 2) & (h % 8 == 0), variant=("_flat", c["fc2_flat_loop"]))
     combine_link = np.maximum(back_out, back_in) * d * b / link if w > 1 else np.zeros(w)
     fc2 = np.maximum(fc2_local, combine_link[None, :])
     fwd["fc2"] = slowest(fc2) + launch
@@ -604,7 +604,7 @@ def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, p
     per distinct configuration (kernel ``"<kernel>_tma"`` where ``tma``: its
     operands through tensor descriptors; ``"<kernel><suffix>"`` where
     ``variant = (suffix, mask)`` marks another code path, e.g. fc1's
-    ``"_one"`` for ``fc1_one_dot``), the formula elsewhere (times
+    ``"_one"`` for ``fc1_one_dot``, fc2's ``"_flat"`` for ``fc2_flat_loop``), the formula elsewhere (times
     ``hw.tma_speedup`` with descriptors; a variant's uncalibrated figure is
     its kernel's)."""
     bm, bn, bk, warps, stages = (np.broadcast_to(np.asarray(x), np.shape(bm)).astype(int)

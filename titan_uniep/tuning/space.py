@@ -163,6 +163,7 @@ FIELDS: dict[str, Field] = {
     "fc2_max_registers": Field("schedule", _REGS, "fc2"),
     "fc2_tma": Field("schedule", _BOOL, "fc2"),
     "fc2_defer_release": Field("schedule", _BOOL, "fc2"),
+    "fc2_flat_loop": Field("schedule", _BOOL, "fc2"),
     # ---- reduce ----
     "reduce_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "reduce"),
     "reduce_block_dim": Field("mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce", order_key=lambda v: min(v, 256)),
@@ -433,9 +434,12 @@ GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
     ("fc1_block_n", "fc1_num_warps", "fc1_num_stages", "fc1_one_dot"): (
         (128, 8, 3, False), (128, 8, 4, False), (128, 8, 3, True), (128, 8, 4, True), (64, 4, 3, False),
         (64, 4, 3, True), (64, 8, 4, False), (256, 8, 2, False)),
-    ("fc2_block_n", "fc2_num_warps", "fc2_num_stages", "fc2_programs_per_sm", "fc2_tma", "fc2_defer_release"): (
-        (256, 8, 3, 1, False, False), (256, 8, 3, 1, True, False), (256, 8, 3, 1, False, True),
-        (128, 4, 3, 2, False, False), (128, 4, 3, 2, True, False), (128, 8, 3, 1, False, False)),
+    ("fc2_block_n", "fc2_num_warps", "fc2_num_stages", "fc2_programs_per_sm", "fc2_tma", "fc2_defer_release",
+     "fc2_flat_loop"): (
+        (256, 8, 3, 1, False, False, False), (256, 8, 3, 1, True, False, False), (256, 8, 3, 1, False, True, False),
+        (128, 4, 3, 2, False, False, False), (128, 4, 3, 2, True, False, False), (128, 8, 3, 1, False, False, False),
+        (256, 8, 3, 1, False, False, True), (256, 8, 3, 1, True, False, True), (128, 4, 3, 2, False, False, True),
+        (128, 4, 3, 2, True, False, True)),
     ("dh_num_warps", "dh_num_stages", "dh_programs_per_sm", "dh_copies_rows"): (
         (8, 3, 2, True), (8, 3, 1, True), (8, 3, 2, False)),
     ("da_block_n", "da_num_warps", "da_num_stages", "da_programs_per_sm", "da_tma", "da_defer_release"): (
