@@ -78,7 +78,7 @@ for step in $STEPS; do
         shape_args=()
         for s in ${SHAPES//,/ }; do shape_args+=(--shape "$s"); done
         timeout "$(budget "${TUNE_S:-420}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-3}" \
-            --warmup "${WARMUP:-2}" --reps "${REPS:-5}" --rounds "${ROUNDS:-2}" ${CONSTANTS[@]+"${CONSTANTS[@]}"} \
+            --warmup "${WARMUP:-2}" --reps "${REPS:-5}" --rounds "${ROUNDS:-2}" --confirm-rounds "${CONFIRM_ROUNDS:-4}" ${CONSTANTS[@]+"${CONSTANTS[@]}"} \
             --cache "$WORK/tuning.json" --json-out "$WORK/tune.jsonl" > "$WORK/tune.log" 2>&1 || status=1
         grep -E "^==|^\||picked|entry:|BROKEN|Error|wrote|seconds" "$WORK/tune.log" | cut -c1-220 | tail -60 ;;
     report)

@@ -25,7 +25,9 @@ context_parallel_degree``), per direction:
    calls of the slowest rank;
 3. the fastest point is measured again against the default (with the
    neighbours, also the model's best with each GEMM stage's fastest
-   choice: ``combined_choices``) in a confirmation run; of those, the
+   choice: ``combined_choices``) in a confirmation run of its own
+   (``--confirm-rounds`` rounds: few points, so more rounds cost little and
+   the pick rests on more samples); of those, the
    fastest in that run, if it beats the default by ``--min-gain``, must give
    the default's bits on the measured inputs (forward output and h1 | h3,
    every gradient); a point that does not is never cached (a schedule point
@@ -98,6 +100,7 @@ class SearchOptions:
     warmup: int = 3
     reps: int = 10
     rounds: int = 2
+    confirm_rounds: int = 4
     min_gain: float = 0.02
     neighbours: bool = True
     schedule: str = "fused"
@@ -486,9 +489,9 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
                     points[name] = (point, predict(shape, stats, world, point, hw, schedule=options.schedule))
                 first_ms = {}
                 if len(final) > 1:
-                    bar.total += len(final) * options.rounds
+                    bar.total += len(final) * options.confirm_rounds
                     again = time_alternating({n: (lambda p=points[n][0]: lambda: run(p)) for n in final},
-                                             warmup=options.warmup, reps=options.reps, rounds=options.rounds,
+                                             warmup=options.warmup, reps=options.reps, rounds=options.confirm_rounds,
                                              group=group, on_error=failed, after_each=measured)
                     first_ms = {n: times.get(n) for n in final}
                     times.update(again)
@@ -634,6 +637,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=SearchOptions.warmup)
     parser.add_argument("--reps", type=int, default=SearchOptions.reps)
     parser.add_argument("--rounds", type=int, default=SearchOptions.rounds, help="rounds of alternating order")
+    parser.add_argument("--confirm-rounds", type=int, default=SearchOptions.confirm_rounds,
+                        help="rounds of alternating order of the confirmation run")
     parser.add_argument("--no-neighbours", action="store_true",
                         help="measure only the model's top points and the default, not the one-stage neighbours "
                              "of its best")
@@ -647,8 +652,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if bool(args.shape) == bool(args.config):
         parser.error("give --shape (one or more) or --config, not both")
-    if args.top < 0 or args.rounds < 1 or args.reps < 1 or not 0 <= args.min_gain < 1:
-        parser.error("--top >= 0, --rounds >= 1, --reps >= 1 and 0 <= --min-gain < 1")
+    if args.top < 0 or args.rounds < 1 or args.confirm_rounds < 1 or args.reps < 1 or not 0 <= args.min_gain < 1:
+        parser.error("--top >= 0, --rounds >= 1, --confirm-rounds >= 1, --reps >= 1 and 0 <= --min-gain < 1")
     group, dev = init_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if args.config:
@@ -661,7 +666,7 @@ def main(argv=None) -> None:
         dtype = DTYPES[args.dtype or "bf16"]
         layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in map(parse_shape, args.shape)]
     options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
-                            rounds=args.rounds, min_gain=args.min_gain, neighbours=not args.no_neighbours,
+                            rounds=args.rounds, confirm_rounds=args.confirm_rounds, min_gain=args.min_gain, neighbours=not args.no_neighbours,
                             schedule=args.schedule,
                             constants=args.constants, progress=not args.no_progress)
     path = args.cache or default_cache_path()
