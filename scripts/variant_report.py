@@ -4,8 +4,9 @@
     python scripts/variant_report.py --constants h200.json --worlds 1,2,4 --shapes qwen3,deepseek,mixtral
 
 For every optional path of the layer (``VARIANTS``: descriptor loads in fc2
-and dA, deferred releases, own rows first, dispatch-first, two programs per
-SM, the dH tasks' slot-row copy), the best predicted forward + backward time
+and dA, deferred releases, fc2's flattened loop, own rows first,
+dispatch-first, two programs per SM, the dH tasks' slot-row copy), the best
+predicted forward + backward time
 over the search grid (``tuning.space.enumerate_points``; with
 ``numerics=True`` for the paths that change bits) with the path on and with
 it off, and the model's verdict. A path the model never picks on any shape
@@ -32,6 +33,7 @@ VARIANTS = {
     "fc2 descriptor loads": (lambda p: p.fc2_tma, False),
     "dA descriptor loads": (lambda p: p.da_tma, False),
     "fc2 deferred release": (lambda p: p.fc2_defer_release, False),
+    "fc2 flattened loop": (lambda p: p.fc2_flat_loop, False),
     "dA deferred release": (lambda p: p.da_defer_release, False),
     "own rows first": (lambda p: p.local_first, False),
     "dispatch-first (fc1)": (lambda p: p.dispatch_programs >= 1024, False),
