@@ -22,7 +22,7 @@ case "${STEP:?set STEP}" in
       --fields block_m,fc1_block_n,fc1_num_warps,fc1_one_dot,fc2_block_n,fc2_num_warps,dh_num_warps,da_block_n,da_num_warps,reduce_block_tokens,reduce_block_dim ;;
   bits2)  # the rest of the schedule fields with a GPU-only effect, and the numerics ones
     python scripts/check_schedule_bits.py --device cuda --values 1 --json out/tuning/bits_cuda_2.json \
-      --fields group_m,dispatch_block_tokens,fc1_num_stages,fc2_num_stages,fc2_programs_per_sm,fc2_max_registers,fc2_tma,dh_num_stages,dh_programs_per_sm,da_num_stages,da_programs_per_sm,da_max_registers,da_tma,fc2_defer_release,da_defer_release,wgrad_backend ;;
+      --fields group_m,dispatch_block_tokens,fc1_num_stages,fc2_num_stages,fc2_programs_per_sm,fc2_max_registers,fc2_tma,dh_num_stages,dh_programs_per_sm,da_num_stages,da_programs_per_sm,da_max_registers,da_tma,fc2_defer_release,wgrad_backend ;;
   variants)
     python scripts/variant_report.py ${CONSTANTS:+--constants "$CONSTANTS"} --worlds 1,2 ;;
   check)

@@ -34,7 +34,6 @@ VARIANTS = {
     "dA descriptor loads": (lambda p: p.da_tma, False),
     "fc2 deferred release": (lambda p: p.fc2_defer_release, False),
     "fc2 flattened loop": (lambda p: p.fc2_flat_loop, False),
-    "dA deferred release": (lambda p: p.da_defer_release, False),
     "own rows first": (lambda p: p.local_first, False),
     "dispatch-first (fc1)": (lambda p: p.dispatch_programs >= 1024, False),
     "fc2 two programs per SM": (lambda p: p.fc2_programs_per_sm > 1, False),

@@ -164,25 +164,6 @@ def test_backward_fused_matches_sequential_bitwise_and_references(world, num_exp
             assert torch.equal(a, b), f"rank {r} {name}: differs run to run"
 
 
-def test_backward_deferred_da_release_changes_no_bits():
-    """``LayerParams.da_defer_release`` (a dA tile's row arrivals released after the
-    program's next tile) moves when the reduce may start, never a value: both
-    schedules equal the immediate release bit for bit (skewed routing, odd T)."""
-    w = make_world(2, 8, 3, [13, 10], seed=73, allowed=[0, 1, 2, 3, 5])  # experts 4, 6, 7 empty
-    ws = BackwardWorkspace.simulated(2, num_tokens=13, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3,
-                                     dtype=torch.float32, params=interpreter_params())
-    saved = saved_h13_reference(w)
-    outs = {}
-    for defer in (False, True):
-        outs[defer] = run_both(w, score_before=False, workspace=ws, params=interpreter_params(da_defer_release=defer),
-                               saved=saved)
-    assert_correct(w, *outs[True], score_before=False)
-    for r in range(2):
-        for schedule in (0, 1):
-            for name, a, b in zip(NAMES, outs[False][schedule][r], outs[True][schedule][r]):
-                assert torch.equal(a, b), f"rank {r} {name}: the deferred release changed a value"
-
-
 def test_backward_needs_the_h1_h3_saved_by_the_forward():
     """There is no backward that recomputes h1 | h3: a call without the
     forward's buffer, or with one of another shape, fails before any launch

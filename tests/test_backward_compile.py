@@ -82,17 +82,15 @@ def compile_all() -> None:
                     f"with {p.dh_programs_per_sm}"
             nhb = -(-hidden // p.dh_block_n)
             tma = p.da_tma and hidden % p.da_block_k == 0  # as runtime.backward launches it (bf16)
-            for defer in (False, True):
-                opts = dict(num_warps=p.da_num_warps, num_stages=p.da_num_stages, max_registers=p.da_max_registers)
-                kernel = sm90_compile.build(da_combine_kernel, da, dict(
-                    NUM_LOCAL=1, WORLD=2, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=p.da_block_n, BK=p.da_block_k,
-                    BT=p.reduce_block_tokens, BD=da_reduce_dim(p, score_before), RET_ROW_F32=dim, PARTS_AT_F32=dim // 2,
-                    DEFER_RELEASE=defer, TMA=tma, **shape), **opts)
-                check(kernel, f"da_combine (dA + reduce{', deferred release' if defer else ''}"
-                      f"{', TMA' if tma else ''}) {what}", 1, even, tma=tma)
-                fit = programs_per_sm(kernel, p.da_num_warps)
-                assert fit >= p.da_programs_per_sm, f"da_combine {what}: {fit} programs fit an SM, launched with " \
-                    f"{p.da_programs_per_sm}"
+            opts = dict(num_warps=p.da_num_warps, num_stages=p.da_num_stages, max_registers=p.da_max_registers)
+            kernel = sm90_compile.build(da_combine_kernel, da, dict(
+                NUM_LOCAL=1, WORLD=2, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=p.da_block_n, BK=p.da_block_k,
+                BT=p.reduce_block_tokens, BD=da_reduce_dim(p, score_before), RET_ROW_F32=dim, PARTS_AT_F32=dim // 2,
+                TMA=tma, **shape), **opts)
+            check(kernel, f"da_combine (dA + reduce{', TMA' if tma else ''}) {what}", 1, even, tma=tma)
+            fit = programs_per_sm(kernel, p.da_num_warps)
+            assert fit >= p.da_programs_per_sm, f"da_combine {what}: {fit} programs fit an SM, launched with " \
+                f"{p.da_programs_per_sm}"
             # The SwiGLU backward pass after the dH tiles (no GEMM: no spills).
             kernel = sm90_compile.build(swiglu_backward_kernel, sw, dict(
                 HIDDEN=hidden, NUM_EXPERTS_LOCAL=64, NUM_EXPERTS=128, SCORE_BEFORE=score_before, BS=32,

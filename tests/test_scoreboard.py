@@ -8,8 +8,9 @@ each producer delivers a seeded random subset of its rows, every tile-rows
 and token-rows wait polls once (not ready: skipped), and a task that passed
 its wait checks the arrival stamp of every row it reads. The shipped waits
 give no violation (W = 1, 2, 4, fc2 tiles claimed or in the flattened loop,
-with and without the deferred release, forward and backward); waits one arrival short (``debug_wait_slack = 1``, a race on a
-GPU) are caught in fc1 and dH tiles and in both reduces.
+with and without the deferred release, forward and backward); waits one
+arrival short (``debug_wait_slack = 1``, a race on a GPU) are caught in fc1
+and dH tiles and in both reduces.
 
 Faults. The first rank whose wait runs out (or whose dispatch meets a bad
 slot) claims the group's first failure and sets every rank's abort word;

@@ -145,8 +145,6 @@ class LayerParams:
     """Register cap per thread of da_combine (``maxnreg``); None: the compiler's choice."""
     da_tma: bool = True
     """dA reads dh1 | dh3 and w1 | w3 through tensor descriptors (16-bit data on a GPU, H a multiple of da_block_k)."""
-    da_defer_release: bool = False
-    """Release a dA tile's row arrivals after the program's next tile, not right after its stores."""
 
     # ---- weight gradients (wgrad) ----
     wgrad_backend: Literal["auto", "grouped_mm", "triton"] = "auto"

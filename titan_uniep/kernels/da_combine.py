@@ -15,8 +15,7 @@ Tasks:
    source's ``returned[t * K + k]``; scores after the experts, the tiles of
    column block 0 also sum each row's ``NHB`` score partials in column-block
    order and store the sum next to it; then one release arrival per row on
-   the source's ``token_arrivals[t]`` (``da_defer_release``: after the
-   program's next tile).
+   the source's ``token_arrivals[t]``.
 2. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN)``
    arrivals per token, then in fp32 and fixed order ``k = 0..K-1``:
    ``dx = sum_k dA`` (after) or ``sum_k s * dA`` (before), and ``ds`` = the
@@ -45,7 +44,6 @@ from .scoreboard import (
     max_over_ranks,
     race_rows_delivered,
     race_stamp_rows,
-    release_or_defer,
     release_token_arrivals,
     wait_token_rows,
 )
@@ -59,21 +57,17 @@ _SALT_COMBINE = tl.constexpr(SALT_COMBINE)
 @triton.jit
 def da_tile(
     dh1, dh3, w1, w3, ds_parts, slot_copy, m0, m1, n0,
-    arena, anchor_rank, d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row,
-    pending_source, pending_token, pending, control, rank,
+    arena, anchor_rank, d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row, control, rank,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
     RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    DEFER_RELEASE: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr,
+    RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
     the experts, the column-block-0 tile also sends each row's router-score
     gradient (its ``NHB`` partials summed in fp32). Returns (source rank,
-    token, mask) of the rows, whose arrivals the caller releases
-    (``scoreboard.release_or_defer``); ``DEFER_RELEASE``: the previous
-    tile's pending arrivals are released here, after the K-loop and before
-    this tile's stores (a release after them would wait for them too).
+    token, mask) of the rows, whose arrivals the caller releases.
     ``TMA``: the operands come through the tensor descriptors (``H`` a
     multiple of ``BK``). ``RACE``: only a seeded subset of the rows is sent
     (``control``, ``rank``: this rank's), each stamped at its source."""
@@ -116,8 +110,6 @@ def da_tile(
             acc = tl.dot(g3, b3, acc, input_precision=PRECISION)
             g_ptrs += BK
             b_ptrs += BK * DIM
-    if DEFER_RELEASE:
-        release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
     if RACE:
         mask_m = race_rows_delivered(arena, anchor_rank, rank, control, offs_m, mask_m, n0 // BN, _SALT_COMBINE)
     copy_id = tl.load(slot_copy + offs_m, mask=mask_m, other=0, cache_modifier=".cg")
@@ -229,7 +221,6 @@ def da_combine_kernel(
     PARTS_AT_F32: tl.constexpr,  # fp32 word of a returned row that holds its score gradient
     PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
     WORLD: tl.constexpr,  # EP size (a failure sets every rank's abort word)
-    DEFER_RELEASE: tl.constexpr = False,
     TMA: tl.constexpr = False,
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
@@ -241,11 +232,6 @@ def da_combine_kernel(
     d3_desc = matrix_descriptor(dh3_ptr, dh_rows, HIDDEN, BM, BK, TMA)
     w1_desc = matrix_descriptor(w1_ptr, w_rows, DIM, BK, BN, TMA)
     w3_desc = matrix_descriptor(w3_ptr, w_rows, DIM, BK, BN, TMA)
-    # DEFER_RELEASE: a tile's arrivals are released after the program's next
-    # tile (as fc2_combine's); the last ones after the loop.
-    pending_source = tl.zeros([BM], dtype=tl.int32)
-    pending_token = tl.zeros([BM], dtype=tl.int64)
-    pending = tl.zeros([BM], dtype=tl.int1)
     if do_tiles != 0:
         total = NUM_LOCAL * max_over_ranks(route.num_tiles, NUM_LOCAL) * col_blocks
         task = claim_task(control_ptr, _CTL_DA_TASKS)
@@ -263,16 +249,12 @@ def da_combine_kernel(
                     m0, m1, col_block * BN, arena, anchor_rank, d1_desc, d3_desc, w1_desc, w3_desc,
                     local * (h_rank_stride // HIDDEN).to(tl.int32) + m0,
                     local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
-                    pending_source, pending_token, pending, control_ptr + local * _CONTROL_WORDS, rank,
+                    control_ptr + local * _CONTROL_WORDS, rank,
                     DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, DEFER_RELEASE, RACE, COL_BLOCKS, SCOPE,
+                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, RACE, COL_BLOCKS, SCOPE,
                 )
-                pending_source, pending_token, pending = release_or_defer(
-                    source, token, rows, pending_source, pending_token, pending, arena, anchor_rank,
-                    DEFER_RELEASE, SCOPE)
+                release_token_arrivals(source, token, rows, arena, anchor_rank, SCOPE)
             task = claim_task(control_ptr, _CTL_DA_TASKS)
-        if DEFER_RELEASE:
-            release_token_arrivals(pending_source, pending_token, pending, arena, anchor_rank, SCOPE)
 
     if do_reduce != 0:
         tasks_per_rank = tl.cdiv(max_over_ranks(route.num_tokens, NUM_LOCAL), BT)

@@ -486,7 +486,7 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bwd["gather"] = np.where(copies, 0.0, rows_rank.max() * 2 * d * b * 2 / hbm + launch)
     bounds["backward.gather"] = "HBM (none when the dH tasks copy the slot rows)"
     da_remote = bm * c["da_block_n"][:, None] * b * remote_share[None, :]
-    da_wait = np.where(~c["da_defer_release"][:, None], hw.release_us * us + da_remote / per_prog, 0.0)
+    da_wait = hw.release_us * us + da_remote / per_prog
     da_tma = c["da_tma"] & (h % c["da_block_k"] == 0) & (b == 2)
     da = gemm("da", d, 2 * h, 1, c["da_block_n"], c["da_block_k"], c["da_num_warps"], c["da_num_stages"],
               c["da_programs_per_sm"], 2 * h * b, b, clock_b, extra_tile_s=da_wait,

@@ -182,7 +182,6 @@ FIELDS: dict[str, Field] = {
     "da_programs_per_sm": Field("schedule", (1, 2), "da"),
     "da_max_registers": Field("schedule", _REGS, "da"),
     "da_tma": Field("schedule", _BOOL, "da"),
-    "da_defer_release": Field("schedule", _BOOL, "da"),
     # ---- weight gradients ----
     "wgrad_backend": Field("numerics", ("auto", "grouped_mm", "triton"), "wgrad"),
     "wgrad_w13_block_m": Field("schedule", _TILES, "wgrad"),
@@ -442,9 +441,9 @@ GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
         (128, 4, 3, 2, True, False, True)),
     ("dh_num_warps", "dh_num_stages", "dh_programs_per_sm", "dh_copies_rows"): (
         (8, 3, 2, True), (8, 3, 1, True), (8, 3, 2, False)),
-    ("da_block_n", "da_num_warps", "da_num_stages", "da_programs_per_sm", "da_tma", "da_defer_release"): (
-        (128, 8, 3, 1, True, False), (128, 8, 3, 1, False, False), (128, 4, 3, 2, True, False),
-        (128, 4, 3, 2, False, False), (128, 8, 3, 1, True, True), (64, 4, 3, 2, True, False)),
+    ("da_block_n", "da_num_warps", "da_num_stages", "da_programs_per_sm", "da_tma"): (
+        (128, 8, 3, 1, True), (128, 8, 3, 1, False), (128, 4, 3, 2, True), (128, 4, 3, 2, False),
+        (64, 4, 3, 2, True)),
     ("reduce_block_tokens", "reduce_block_dim"): ((16, 512), (32, 512), (32, 256), (64, 256)),
 }
 # With opt-in numerics: joint choices of the K steps of fc1, fc2, dA and the
