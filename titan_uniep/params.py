@@ -18,7 +18,8 @@ field is a *schedule* choice (when a task runs, which program runs it, how a
 tile is loaded) except the GEMMs' K steps (``*_block_k``), which set the fp32
 summation order of the partial products, the dH tile width ``dh_block_n``
 (the router-score gradient sums one partial per dH column block),
-``reduce_block_dim`` below 256 (da_combine's score-gradient steps) and ``wgrad_backend``.
+``reduce_block_dim`` below 256 (da_combine's score-gradient steps) and
+``wgrad_backend``.
 """
 
 from __future__ import annotations

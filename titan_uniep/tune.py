@@ -666,9 +666,9 @@ def main(argv=None) -> None:
         dtype = DTYPES[args.dtype or "bf16"]
         layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in map(parse_shape, args.shape)]
     options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
-                            rounds=args.rounds, confirm_rounds=args.confirm_rounds, min_gain=args.min_gain, neighbours=not args.no_neighbours,
-                            schedule=args.schedule,
-                            constants=args.constants, progress=not args.no_progress)
+                            rounds=args.rounds, confirm_rounds=args.confirm_rounds, min_gain=args.min_gain,
+                            neighbours=not args.no_neighbours, schedule=args.schedule, constants=args.constants,
+                            progress=not args.no_progress)
     path = args.cache or default_cache_path()
     results = []
     for layer in layers:

@@ -6,7 +6,9 @@ arena. Writes, in every source rank's arena, ``returned`` ``(T_cap * K, D)``
 (expert output of copy ``(t, k)`` at row ``t * K + k``) and bumps
 ``token_arrivals`` ``(T_cap,) int32`` (one per finished row x column block).
 
-Tasks, claimed from atomic counters by a persistent grid:
+Tasks, claimed from atomic counters by a persistent grid (``fc2_flat_loop``:
+the fc2 tasks dealt to the programs in turn instead, in one loop Triton
+flattens and software-pipelines across tiles):
 
 1. fc2 task (tile of one local expert x ``fc2_block_n`` columns of y):
    ``y = h @ w2^T`` rounded to the activation dtype (as TorchTitan's grouped

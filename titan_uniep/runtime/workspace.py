@@ -31,8 +31,8 @@ row_stamps         4 * T * K *        combine (race mode only, else 0)
 
 each rounded up to 256 bytes. Local (not symmetric) per rank: ``h``
 ``S * H * b`` (fc1 output), the exchanged ``counts_all`` ``W * E * 8``,
-``CONTROL_WORDS * 8`` of control words (task counters, epoch, error record), and the current call's
-layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
+``CONTROL_WORDS * 8`` of control words (task counters, epoch, error
+record), and the current call's layout arrays that ``kernels.route`` writes (int32: ``num_tokens``,
 ``block_counts`` ``(NB, E)`` with ``NB = ceil(T * K / route_block(E))``,
 ``route_tables`` ``(5, E)``, ``dest_rank``/``dest_slot``/``dest_tile``
 ``(T, K)``, ``tile_expert``/``tile_start``/``tile_end``/``tile_order``

@@ -173,7 +173,8 @@ def save_constants(hw: HardwareConstants, path: str | Path) -> None:
 
 
 # Constants of code that is gone, which files saved before its removal still hold: dropped on load.
-# (the recomputing backward: its one-pass dH efficiency and its dH tiles' keys in gemm_efficiency)
+# (the recomputing backward: its one-pass dH efficiency and its dH tiles' keys in gemm_efficiency;
+# the staged and pre-summed combine: the share of their sends hidden behind the fc2 tiles)
 _RETIRED_FIELDS = ("one_pass_dh_efficiency", "combine_overlap")
 _RETIRED_TILE_KERNELS = ("dh_recompute",)
 

@@ -604,9 +604,9 @@ def _efficiency(hw: HardwareConstants, kernel: str, bm, bn, bk, warps, stages, p
     per distinct configuration (kernel ``"<kernel>_tma"`` where ``tma``: its
     operands through tensor descriptors; ``"<kernel><suffix>"`` where
     ``variant = (suffix, mask)`` marks another code path, e.g. fc1's
-    ``"_one"`` for ``fc1_one_dot``, fc2's ``"_flat"`` for ``fc2_flat_loop``), the formula elsewhere (times
-    ``hw.tma_speedup`` with descriptors; a variant's uncalibrated figure is
-    its kernel's)."""
+    ``"_one"`` for ``fc1_one_dot``, fc2's ``"_flat"`` for ``fc2_flat_loop``),
+    the formula elsewhere (times ``hw.tma_speedup`` with descriptors; a
+    variant's uncalibrated figure is its kernel's)."""
     bm, bn, bk, warps, stages = (np.broadcast_to(np.asarray(x), np.shape(bm)).astype(int)
                                  for x in (bm, bn, bk, warps, stages))
     per_sm = np.broadcast_to(np.asarray(per_sm), bm.shape).astype(int)

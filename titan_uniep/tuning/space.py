@@ -19,8 +19,9 @@ Kinds (``FIELDS[name].kind``):
   block), ``wgrad_backend`` (``torch._grouped_mm`` or the Triton kernel);
 - ``"mixed"``: some values keep the bits, others not; ``Field.order_key``
   maps a value to what sets the summation order, and a change keeps the
-  bits iff the key stays: ``reduce_block_dim`` (da_combine's reduce takes ``min(reduce_block_dim, 256)`` columns a step
-  with scores before the experts and sums ``<x, dA>`` per step);
+  bits iff the key stays: ``reduce_block_dim`` (da_combine's reduce takes
+  ``min(reduce_block_dim, 256)`` columns a step with scores before the
+  experts and sums ``<x, dA>`` per step);
 - ``"fixed"``: waits and testing hooks, never searched.
 
 Evidence for each kind: ``scripts/check_schedule_bits.py`` varies one field
@@ -308,9 +309,9 @@ def feasible(params: LayerParams, shape: LayerShape, hw: HardwareConstants | Non
     programs fit one SM: shared memory plus the per-block reserve within
     ``hw.smem_per_sm`` together (``hw.smem_per_block`` for one), fp32
     accumulators plus ``REGISTER_FLOOR`` within the register cap (or 255),
-    registers times threads within ``hw.registers_per_sm``. The Triton weight gradients are
-    checked also where ``torch._grouped_mm`` runs instead: a point holds for
-    both backends."""
+    registers times threads within ``hw.registers_per_sm``. The Triton
+    weight gradients are checked also where ``torch._grouped_mm`` runs
+    instead: a point holds for both backends."""
     p = params
     if hw is None:
         return None
