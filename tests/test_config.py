@@ -15,6 +15,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 import titan_uniep  # noqa: F401  (registers the *_uniep train specs)
 from titan_uniep.config import UniEP
+from titan_uniep.parallelize import validate
 
 
 def _parse(tmp_path, body: str, *cli: str):
@@ -92,6 +93,7 @@ def test_expert_parallel_degree_1_is_served_with_a_one_rank_group(tmp_path):
     from titan_uniep.parallelize import moe_layers, one_rank_group
 
     job = _job(tmp_path, "qwen3_uniep", "debugmodel_moe_tiny", extra='schedule = "fused"\n')
+    job.training.mixed_precision_param = "float32"  # the interpreter computes in fp32 only
     spec, model = _model("qwen3_uniep", "debugmodel_moe_tiny", job)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -208,3 +210,27 @@ def test_ep_group_on_one_host_with_peer_access_passes_the_check():
     from titan_uniep.parallelize import EPGPU, check_ep_gpus
 
     check_ep_gpus(UniEP(enable=True, schedule="fused"), [EPGPU(r, "node-a", ()) for r in range(4)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+@pytest.mark.parametrize("flavor,precision,why", [
+    ("debugmodel_moe", "float32", r"grouped-GEMM experts of model 'qwen3_uniep' flavor 'debugmodel_moe' compute in bf16"),
+    ("debugmodel_moe_tiny", "bfloat16", r"training.mixed_precision_param = 'bfloat16'"),
+])
+def test_kernel_schedule_without_cuda_refuses_bf16_experts_naming_why_and_the_cpu_flavor(tmp_path, flavor, precision,
+                                                                                          why):
+    """EP = 1 without CUDA runs the kernels in the interpreter (fp32 only): a job
+    whose experts compute in bf16 is a GPU configuration, refused before the
+    model exists (preflight) and in the hook alike."""
+    job = _job(tmp_path, "qwen3_uniep", flavor, extra='schedule = "fused"\n')
+    job.training.mixed_precision_param = precision
+    dims = _dims(ep=1, world=1)
+    message = rf"{why}\): it is a GPU configuration.*--model.flavor debugmodel_moe_tiny"
+    with pytest.raises(ValueError, match=message):
+        validate(job.uniep, None, dims, job)
+    _spec, model = _model("qwen3_uniep", flavor, job)
+    with pytest.raises(ValueError, match=message):
+        validate(job.uniep, model, dims, job)
+    job.uniep.compute_dtype = "float32"  # asked for explicitly: served (slowly)
+    if flavor == "debugmodel_moe":
+        validate(job.uniep, model, dims, job)

@@ -222,3 +222,45 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
     for name in eager:
         assert not torch.isnan(eager[name]).any(), name
         assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
+
+
+def test_float32_compute_of_bf16_parameters_runs_the_kernels_in_fp32_and_returns_bf16(group, poisoned_memory):
+    """``[uniep] compute_dtype = "float32"`` on bf16 parameters (FSDP mixed
+    precision): the op gets fp32 tokens and weights (an fp32 workspace), the
+    layer returns bf16 and every gradient is bf16, all within bf16 rounding
+    of the float64 oracle."""
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from titan_uniep.config import UniEP
+    from titan_uniep.cpu import apply_cpu_shims
+    from titan_uniep.parallelize import _swap_to_uniep
+
+    apply_cpu_shims()
+    torch.manual_seed(43)
+    args = MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
+                   score_before_experts=False, use_grouped_mm=True)
+    moe = MoE(args, dim=DIM, hidden_dim=HIDDEN)
+    with torch.no_grad():
+        moe.init_weights(init_std=0.1, buffer_device=torch.device("cpu"))
+    moe = moe.bfloat16()
+    moe.expert_bias.data = moe.expert_bias.data.float()
+    _swap_to_uniep(torch.nn.ModuleDict({"moe": moe}), UniEP(enable=True, schedule="fused", compute_dtype="float32"))
+    moe.experts.ep_group = group
+    x = torch.randn(11, DIM).bfloat16().requires_grad_()
+    scores, indices, _ = moe.router(x.detach(), moe.expert_bias)
+    out = moe.experts(x, Routing(scores, indices))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert {key[-2] for key in op._workspaces} == {torch.float32}, "the kernels did not run in fp32"
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    weights = [getattr(moe.experts, n) for n in ("w1", "w2", "w3")]
+    assert all(w.grad is not None and w.grad.dtype == torch.bfloat16 for w in weights)
+    leaves = {"x": x.detach().double().requires_grad_(), **{n: w.detach().double().requires_grad_()
+                                                            for n, w in zip(("w1", "w2", "w3"), weights)}}
+    ref = float64_moe_oracle(leaves["x"], scores.detach().double(), indices, leaves["w1"], leaves["w2"], leaves["w3"],
+                             score_before_experts=False)
+    ref.backward(grad.double())
+    for name, got, want in [("out", out.detach(), ref.detach()), ("dx", x.grad, leaves["x"].grad),
+                            *[(f"d{n}", w.grad, leaves[n].grad) for n, w in zip(("w1", "w2", "w3"), weights)]]:
+        assert not torch.isnan(got).any(), name
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")

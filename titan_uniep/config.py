@@ -18,6 +18,8 @@ SCHEDULE_NAMES = get_args(ScheduleName)
 GUARDS = ("off", "check", "strict")
 TuningMode = Literal["off", "cached", "search"]
 TUNING_MODES = get_args(TuningMode)
+ComputeDtype = Literal["auto", "float32"]
+COMPUTE_DTYPE_NAMES = get_args(ComputeDtype)
 
 
 @dataclass
@@ -39,6 +41,18 @@ class UniEP:
     overlapped; bitwise equal to ``"sequential"``. Both need CUDA GPUs,
     except at ``expert_parallel_degree = 1``, where without CUDA they run in
     Triton's interpreter (correct, and slow: tests)."""
+
+    compute_dtype: ComputeDtype = "auto"
+    """The dtype of the expert GEMMs. ``"auto"``: the one TorchTitan's own
+    experts use for this job, so that UniEP keeps the training's numerics:
+    bf16 for its grouped-GEMM experts (every MoE flavor's default; they cast
+    tokens and weights to bf16 whatever the parameters' dtype: fp32 master
+    weights under AMP, bf16 under FSDP mixed precision), the tokens' dtype
+    (autocast's where it is on) for its for-loop experts
+    (``use_grouped_mm = False``). ``"float32"``: fp32 GEMMs (IEEE fp32 dot
+    products, several times slower on GPUs). Either way the GEMMs accumulate
+    in fp32, the layer's output has the tokens' dtype and every gradient its
+    tensor's dtype (see ``titan_uniep.compute_dtype``)."""
 
     guard: Literal["off", "check", "strict"] = "off"
     """Runtime check of the bitwise contract. ``"off"``: none. ``"check"``:
@@ -82,6 +96,11 @@ class UniEP:
             raise ValueError(
                 f"[uniep] schedule = {self.schedule!r} is not a schedule; "
                 f"use one of {', '.join(repr(s) for s in SCHEDULE_NAMES)}"
+            )
+        if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
+            raise ValueError(
+                f"[uniep] compute_dtype = {self.compute_dtype!r} is not a compute dtype; "
+                f"use one of {', '.join(repr(c) for c in COMPUTE_DTYPE_NAMES)}"
             )
         if self.guard not in GUARDS:
             raise ValueError(

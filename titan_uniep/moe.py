@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 
+from titan_uniep.compute_dtype import cast_to_compute, layer_compute_dtype
 from titan_uniep.schedules import Routing, get_schedule
 from titan_uniep.testing import UniEPTestHooks
 
@@ -173,23 +174,28 @@ class UniEPGroupedExperts(GroupedExperts):
 
     ``forward(x, routing)`` takes this rank's ``(T, D)`` tokens and the
     router's decision and returns their combined routed-expert output
-    ``(T, D)``: dispatch, expert FFN and combine all happen inside. The EP
-    group and schedule are set by ``titan_uniep.parallelize``.
+    ``(T, D)`` in x's dtype: dispatch, expert FFN and combine all happen
+    inside, with the GEMMs in ``compute_dtype`` (``titan_uniep.compute_dtype``:
+    None follows x, or autocast where it is on). The EP group, schedule and
+    compute dtype are set by ``titan_uniep.parallelize``.
     """
 
     # Set by the parallelize hook after the class swap (see parallelize.py).
     ep_group: dist.ProcessGroup | None
     schedule: str
     score_before_experts: bool
+    compute_dtype: torch.dtype | None
     guard: BitwiseGuard | None
     layer_name: str
     steps: StepCounter | None
     test_hooks: UniEPTestHooks | None
 
-    def configure(self, *, schedule: str, score_before_experts: bool, layer_name: str) -> None:
+    def configure(self, *, schedule: str, score_before_experts: bool, compute_dtype: torch.dtype | None,
+                  layer_name: str) -> None:
         self.ep_group = None
         self.schedule = schedule
         self.score_before_experts = score_before_experts
+        self.compute_dtype = compute_dtype
         self.guard = None
         self.layer_name = layer_name
         self.steps = None
@@ -208,13 +214,16 @@ class UniEPGroupedExperts(GroupedExperts):
                 f"{self.layer_name}: UniEP experts have no EP group; they must be parallelized by "
                 "titan_uniep.parallelize (a *_uniep model with [uniep] enable = true)"
             )
-        w1, w2, w3 = self._local_weights()
+        out_dtype = x.dtype
+        x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, *self._local_weights())
         run = get_schedule(self.schedule)
-        out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts)
+        out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts,
+                  out_dtype=out_dtype)
         if self.guard is not None and self.guard.due():
             with torch.no_grad():
                 again = get_schedule(_NON_OVERLAPPED.get(self.schedule, self.schedule))(
-                    x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts
+                    x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts,
+                    out_dtype=out_dtype,
                 )
             if self.test_hooks is not None:
                 again = self.test_hooks.plant_guard_difference(again, self.guard.step, self.ep_group)

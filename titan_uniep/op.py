@@ -162,14 +162,18 @@ def moe_experts(
     group_name: str,
     schedule: str,
     score_before_experts: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.runtime.forward)
-    and the receive slots' h1 | h3 ``(slot_capacity, 2H)`` (for the backward only)."""
+    in ``out_dtype`` (default x's: the GEMMs run in x's dtype, the sum over k in fp32 is
+    rounded once to the output's) and the receive slots' h1 | h3 ``(slot_capacity, 2H)``
+    (for the backward only)."""
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts)
     h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    out_dtype = out_dtype or x.dtype
     if ws.is_simulated:  # a one-rank group without CUDA: the world of one rank, in place
-        out = x.new_empty(1, *x.shape)
+        out = x.new_empty(1, *x.shape, dtype=out_dtype)
         simulated_moe_forward(
             x.contiguous().unsqueeze(0), top_scores.unsqueeze(0), selected_experts_indices.unsqueeze(0),
             w1.unsqueeze(0), w2.unsqueeze(0), w3.unsqueeze(0), schedule=schedule,
@@ -177,8 +181,8 @@ def moe_experts(
         )
         return out[0], h13
     out = moe_forward(
-        x, top_scores, selected_experts_indices, w1, w2, w3,
-        workspace=ws, schedule=schedule, score_before_experts=score_before_experts, saved_h13=h13,
+        x, top_scores, selected_experts_indices, w1, w2, w3, workspace=ws, schedule=schedule,
+        score_before_experts=score_before_experts, saved_h13=h13, out=x.new_empty(x.shape, dtype=out_dtype),
     )
     return out, h13
 
@@ -193,9 +197,10 @@ def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, 
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, top_scores, selected_experts_indices, w1, w2, w3, group_name, schedule, score_before_experts):
+def _moe_experts_fake(x, top_scores, selected_experts_indices, w1, w2, w3, group_name, schedule, score_before_experts,
+                      out_dtype=None):
     rows = _saved_rows(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts)
-    return torch.empty_like(x), x.new_empty(rows, 2 * w1.shape[1])
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(rows, 2 * w1.shape[1])
 
 
 @torch.library.custom_op("uniep::moe_experts_backward", mutates_args=())
@@ -240,7 +245,7 @@ def _moe_experts_backward_fake(grad_out, x, top_scores, selected_experts_indices
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before = inputs
+    x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before, _out_dtype = inputs
     ctx.save_for_backward(x, top_scores, indices, w1, w2, w3, output[1])
     ctx.mark_non_differentiable(output[1])
     # No zero-filled gradient of the (large) h1 | h3 output in the backward.
@@ -254,10 +259,13 @@ def _backward(ctx, grad_out: torch.Tensor | None, _grad_h13: torch.Tensor | None
     x, top_scores, indices, w1, w2, w3, h13 = ctx.saved_tensors
     if grad_out is None:  # the output did not reach the loss
         grad_out = torch.zeros_like(x)
+    # The output's gradient in the GEMMs' dtype (x's), as TorchTitan's experts
+    # get theirs through the cast of their output back to the tokens' dtype.
+    grad_out = grad_out.to(x.dtype)
     dx, dscores, dw1, dw2, dw3 = torch.ops.uniep.moe_experts_backward(
         grad_out, x, top_scores, indices, w1, w2, w3, h13, ctx.group_name, ctx.schedule, ctx.score_before,
     )
-    return dx, dscores.to(top_scores.dtype), None, dw1, dw2, dw3, None, None, None
+    return dx, dscores.to(top_scores.dtype), None, dw1, dw2, dw3, None, None, None, None
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)

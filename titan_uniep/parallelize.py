@@ -36,6 +36,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 
+from titan_uniep.compute_dtype import job_compute_dtype, resolve
 from titan_uniep.config import UniEP
 from titan_uniep.moe import BitwiseGuard, StepCounter, UniEPGroupedExperts, UniEPMoE
 from titan_uniep.schedules import available_schedules
@@ -43,7 +44,8 @@ from titan_uniep.testing import UniEPTestHooks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EPGPU", "UniEPExpertParallel", "check_ep_gpus", "moe_layers", "validate", "wrap_parallelize_fn"]
+__all__ = ["EPGPU", "UniEPExpertParallel", "check_ep_gpus", "kernel_dtype", "moe_layers", "validate",
+           "wrap_parallelize_fn"]
 
 
 class UniEPExpertParallel(ParallelStyle):
@@ -113,14 +115,54 @@ def validate(cfg: UniEP, model: nn.Module | None, parallel_dims, job_config) -> 
             f"[uniep] schedule = {cfg.schedule!r} is not available in this build (available: "
             f"{', '.join(sorted(schedules))}). Use schedule = \"reference\"."
         )
-    if schedules[cfg.schedule] and not torch.cuda.is_available() and parallel_dims.ep > 1:
+    if schedules[cfg.schedule] and not torch.cuda.is_available():
         # Without CUDA the kernels run in Triton's interpreter, on a one-rank group only.
-        raise ValueError(
-            f"[uniep] schedule = {cfg.schedule!r} needs CUDA GPUs with peer access at "
-            f"parallelism.expert_parallel_degree = {parallel_dims.ep}, and this machine has none. Use "
-            "schedule = \"reference\" on CPU (or expert_parallel_degree = 1, where the kernels run in "
-            "Triton's interpreter: correct, and slow)."
-        )
+        if parallel_dims.ep > 1:
+            raise ValueError(
+                f"[uniep] schedule = {cfg.schedule!r} needs CUDA GPUs with peer access at "
+                f"parallelism.expert_parallel_degree = {parallel_dims.ep}, and this machine has none. Use "
+                "schedule = \"reference\" on CPU (or expert_parallel_degree = 1, where the kernels run in "
+                "Triton's interpreter: correct, and slow)."
+            )
+        grouped_mm = _uses_grouped_mm(model, job_config)
+        if job_compute_dtype(cfg.compute_dtype, framework_casts_to_bf16=grouped_mm,
+                             activation_dtype=job_config.training.mixed_precision_param) != torch.float32:
+            why = (f"TorchTitan's own grouped-GEMM experts of model {model_name!r} flavor "
+                   f"{job_config.model.flavor!r} compute in bf16" if grouped_mm and cfg.compute_dtype == "auto"
+                   else f"training.mixed_precision_param = {job_config.training.mixed_precision_param!r}")
+            raise ValueError(
+                f"[uniep] schedule = {cfg.schedule!r} without CUDA runs UniEP's kernels in Triton's interpreter, "
+                f"which computes in fp32 only, and this job's experts would not ({why}): it is a GPU "
+                "configuration. On a CPU, train the tiny flavor the CPU tests use (--model.flavor "
+                "debugmodel_moe_tiny --training.local_batch_size 1 --training.seq_len 16 "
+                "--training.mixed_precision_param float32), or set [uniep] schedule = \"reference\"."
+            )
+
+
+def _uses_grouped_mm(model: nn.Module | None, job_config) -> bool:
+    """Whether the job's TorchTitan experts run grouped GEMMs (and so cast to
+    bf16): read from the model, or before it is built from its flavor's
+    arguments as the trainer adjusts them (deepseek_v3 turns grouped GEMMs off
+    below SM 9.0)."""
+    if model is not None:
+        return all(moe.experts.use_grouped_mm for _, moe in moe_layers(model))
+    import copy
+
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = get_train_spec(job_config.model.name).model_args.get(job_config.model.flavor)
+    if args is None:
+        return True  # TorchTitan's own error names the flavor
+    args = copy.deepcopy(args)
+    args.update_from_config(job_config)
+    return getattr(getattr(args, "moe_args", None), "use_grouped_mm", True)
+
+
+def kernel_dtype(cfg: UniEP, model: nn.Module | None, job_config) -> torch.dtype:
+    """The dtype UniEP's kernels compute in for this job (``compute_dtype.job_compute_dtype``);
+    ``model``: the built model, or None before it exists."""
+    return job_compute_dtype(cfg.compute_dtype, framework_casts_to_bf16=_uses_grouped_mm(model, job_config),
+                             activation_dtype=job_config.training.mixed_precision_param)
 
 
 @dataclass(frozen=True)
@@ -210,6 +252,9 @@ def _swap_to_uniep(model: nn.Module, cfg: UniEP) -> list[tuple[str, UniEPMoE]]:
         moe.experts.configure(
             schedule=cfg.schedule,
             score_before_experts=moe.score_before_experts,
+            # TorchTitan's grouped-GEMM experts cast their operands to bf16
+            # (models/moe/moe.py, _run_experts_grouped_mm); its for-loop ones do not.
+            compute_dtype=resolve(cfg.compute_dtype, framework_casts_to_bf16=moe.experts.use_grouped_mm),
             layer_name=f"{name}.experts",
         )
         swapped.append((name, moe))
@@ -291,6 +336,7 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
         if cfg.schedule != "reference" and parallel_dims.ep > 1:
             check_ep_gpus(cfg, _probe_ep_gpus(parallel_dims))
         swapped = _swap_to_uniep(model, cfg)
+        dtype = kernel_dtype(cfg, model, job_config)
         if parallel_dims.ep == 1:
             # TorchTitan applies no EP plan at EP = 1 (FSDP, if any, all-gathers
             # the experts with their block): each rank runs all of them.
@@ -314,19 +360,14 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
             tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp
             reserve_tokens(swapped[0][1].experts.ep_group, tokens)
             if cfg.tuning != "off":
-                from torchtitan.config import TORCH_DTYPE_MAP
-
                 from titan_uniep.tuning.selection import configure_tuning
 
-                # EP implies FSDP in TorchTitan, so the MoE layers see the FSDP compute dtype.
                 configure_tuning(swapped[0][1].experts.ep_group, cfg.tuning, cfg.tuning_cache,
-                                 moe_modules=[moe for _, moe in swapped], num_tokens=tokens,
-                                 dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
+                                 moe_modules=[moe for _, moe in swapped], num_tokens=tokens, dtype=dtype)
         model.uniep_steps = _install_step_counter(model, swapped, parallel_dims, job_config)
         model.uniep_guard = _install_guard(model, swapped, cfg, model.uniep_steps)
-        logger.info(
-            "UniEP: %d MoE layers on schedule %r (EP degree %d)", len(swapped), cfg.schedule, parallel_dims.ep
-        )
+        logger.info("UniEP: %d MoE layers on schedule %r (EP degree %d), expert GEMMs in %s", len(swapped),
+                    cfg.schedule, parallel_dims.ep, str(dtype).removeprefix("torch."))
         return model
 
     parallelize_uniep.__name__ = f"{getattr(base_parallelize_fn, '__name__', 'parallelize')}_uniep"

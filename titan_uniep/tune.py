@@ -565,11 +565,14 @@ def _progress(total: int, name: str, show: bool):
 
 def config_layers(path: str) -> tuple[list[MoELayer], int]:
     """Every distinct MoE layer shape of the train config at ``path``, at its
-    tokens per rank and activation dtype, and its EP degree. Builds the
-    model on the meta device (no memory), as the trainer does."""
+    tokens per rank and the dtype its kernels compute in
+    (``parallelize.kernel_dtype``), and its EP degree. Builds the model on the
+    meta device (no memory), as the trainer does."""
     from torchtitan.config import ConfigManager
     from torchtitan.models.moe.moe import MoE
     from torchtitan.protocols.train_spec import get_train_spec
+
+    from titan_uniep.compute_dtype import job_compute_dtype
 
     # Importing this module imported titan_uniep, which registered the *_uniep train specs and flavors.
     job = ConfigManager().parse_args(["--job.config_file", path])
@@ -579,12 +582,13 @@ def config_layers(path: str) -> tuple[list[MoELayer], int]:
     with torch.device("meta"):
         model = spec.model_cls(args)
     tokens = job.training.local_batch_size * job.training.seq_len // max(1, job.parallelism.context_parallel_degree)
-    dtype = DTYPES[job.training.mixed_precision_param]
     shapes = {}
     for fqn, moe in ((fqn, m) for fqn, m in model.named_modules() if isinstance(m, MoE)):
         num_experts, hidden, dim = moe.experts.w1.shape
         layer = MoELayer(f"{job.model.flavor}:{fqn}", tokens, dim, hidden, num_experts, moe.router.top_k,
-                         moe.score_before_experts, dtype)
+                         moe.score_before_experts,
+                         job_compute_dtype(job.uniep.compute_dtype, framework_casts_to_bf16=moe.experts.use_grouped_mm,
+                                           activation_dtype=job.training.mixed_precision_param))
         shapes.setdefault(dataclasses.replace(layer, name=""), layer)
     if not shapes:
         raise ValueError(f"--config {path}: model {job.model.name!r} flavor {job.model.flavor!r} has no MoE layers")

@@ -92,7 +92,8 @@ def moe_forward(
 
     Every rank of ``workspace``'s group must call it, in the same order of
     layers, also with ``T = 0``. Shapes: see the module docstring. ``out``:
-    optional preallocated ``(T, D)`` output. ``params``: default the
+    optional preallocated ``(T, D)`` output, contiguous, of any floating dtype
+    (the fp32 sum over k is rounded once to it). ``params``: default the
     workspace's (fused == sequential bitwise at every point). ``error_check``:
     ``"sync"`` (check the error record after the launches; a host sync) or
     ``"lazy"`` (poll without syncing, see ``Workspace.poll_errors``); default
@@ -153,7 +154,8 @@ def simulated_moe_forward(
     kernels). A stacked ``xs`` gives every rank the same ``T`` (its rows).
     ``workspace``: a ``Workspace.simulated`` to reuse (built per call if None).
     ``out``: optional ``(W, T_out, D)`` output written in place by the
-    kernels (``T_out >= max T_r``; rows past a rank's ``T_r`` left alone).
+    kernels (``T_out >= max T_r``; rows past a rank's ``T_r`` left alone),
+    of any floating dtype.
     ``saved_h13``: optional ``(W, slot_capacity, 2 * H)``, see ``moe_forward``.
     ``error_check``: ``"sync"`` (check the error record after the launches)
     or ``"lazy"`` (as ``moe_forward``'s: no host sync, for timing loops).
@@ -187,9 +189,9 @@ def simulated_moe_forward(
     if out is None:
         out = torch.empty(world, x.shape[1], shape.dim, dtype=shape.dtype, device=x.device)
     elif (out.dim() != 3 or out.shape[0] != world or out.shape[1] < max(num_tokens) or out.shape[2] != shape.dim
-          or out.dtype != shape.dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous ({world}, >= {max(num_tokens)}, {shape.dim}) {shape.dtype} tensor, "
-                         f"got {tuple(out.shape)} {out.dtype}")
+          or not out.dtype.is_floating_point or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous ({world}, >= {max(num_tokens)}, {shape.dim}) floating-point "
+                         f"tensor, got {tuple(out.shape)} {out.dtype}")
     call = CallArrays(x=x, scores=stack_ranks(score_list, shape.token_capacity, torch.float32), w1=w1, w2=w2, w3=w3,
                       out=out)
     if saved_h13 is not None:

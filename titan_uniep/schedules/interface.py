@@ -36,7 +36,12 @@ class Routing:
 
 class ScheduleFn(Protocol):
     """A schedule: this rank's tokens, routing and local expert weights ->
-    the combined routed-expert output of its tokens ``(T, D)``."""
+    the combined routed-expert output of its tokens ``(T, D)``.
+
+    The expert GEMMs run in the dtype of ``x`` and the weights (the caller
+    casts them: ``titan_uniep.compute_dtype``); the output, summed over k in
+    fp32, is rounded once to ``out_dtype`` (default ``x.dtype``), so an fp32
+    caller under AMP gets the fp32 sum, as from TorchTitan's experts."""
 
     def __call__(
         self,
@@ -48,4 +53,5 @@ class ScheduleFn(Protocol):
         *,
         group: dist.ProcessGroup,
         score_before_experts: bool,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor: ...

@@ -12,10 +12,11 @@ from titan_uniep.schedules.interface import Routing
 
 
 def _kernel_schedule(name: str):
-    def run(x, routing: Routing, w1, w2, w3, *, group: dist.ProcessGroup, score_before_experts: bool) -> torch.Tensor:
+    def run(x, routing: Routing, w1, w2, w3, *, group: dist.ProcessGroup, score_before_experts: bool,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out, _h13 = torch.ops.uniep.moe_experts(
             x, routing.top_scores, routing.selected_experts_indices, w1, w2, w3,
-            group.group_name, name, score_before_experts,
+            group.group_name, name, score_before_experts, out_dtype,
         )
         return out
 

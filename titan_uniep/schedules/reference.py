@@ -86,6 +86,7 @@ def reference_schedule(
     *,
     group: dist.ProcessGroup,
     score_before_experts: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Dispatch, expert FFN and combine with torch collectives, in UniEP's layout.
 
@@ -95,8 +96,9 @@ def reference_schedule(
         w1, w3: ``(El, H, D)``; w2: ``(El, D, H)``: this rank's local experts.
         group: the EP process group (``W`` ranks, ``E = W * El`` experts).
         score_before_experts: see the module docstring.
+        out_dtype: the output's dtype (default ``x.dtype``); the expert FFN runs in x's.
     Returns:
-        ``(T, D)`` in ``x.dtype``; differentiable w.r.t. x, scores and weights.
+        ``(T, D)`` in ``out_dtype``; differentiable w.r.t. x, scores and weights.
     """
     top_scores, indices = routing.top_scores, routing.selected_experts_indices
     num_tokens, top_k = indices.shape
@@ -125,4 +127,4 @@ def reference_schedule(
     copy_to_back = torch.empty_like(layout.send_order)
     copy_to_back[layout.send_order] = torch.arange(layout.send_order.numel(), device=x.device)
     rows = back[copy_to_back].view(num_tokens, top_k, -1)
-    return combine_over_k(rows, top_scores, score_before_experts, x.dtype)
+    return combine_over_k(rows, top_scores, score_before_experts, out_dtype or x.dtype)
