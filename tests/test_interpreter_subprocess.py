@@ -1,5 +1,5 @@
 """Runs the interpreter tests (test_kernels.py, test_backward.py, test_scoreboard.py, test_op.py,
-test_tuning_space.py) in a fresh process when this one cannot.
+test_tuning_space.py, test_ordered_sums.py) in a fresh process when this one cannot.
 
 The Triton interpreter needs TRITON_INTERPRET=1 before ``import triton``
 (Triton's own jit helpers such as ``tl.cdiv`` are defined at import). When an
@@ -27,7 +27,8 @@ def _triton_is_interpreted() -> bool:
     return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
-MODULES = ("test_kernels.py", "test_backward.py", "test_scoreboard.py", "test_op.py", "test_tuning_space.py")
+MODULES = ("test_kernels.py", "test_backward.py", "test_scoreboard.py", "test_op.py", "test_tuning_space.py",
+           "test_ordered_sums.py")
 _run: dict = {}
 
 

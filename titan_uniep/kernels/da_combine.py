@@ -14,13 +14,17 @@ Tasks:
    ``dA = dh1 @ w1 + dh3 @ w3`` (one fp32 accumulator), stored into the
    source's ``returned[t * K + k]``; scores after the experts, the tiles of
    column block 0 also sum each row's ``NHB`` score partials in column-block
-   order and store the sum next to it; then one release arrival per row on
-   the source's ``token_arrivals[t]``.
+   order (``ordered_sums``) and store the sum next to it; then one release
+   arrival per row on the source's ``token_arrivals[t]``.
 2. reduce (``reduce_block_tokens`` tokens): wait for ``K * cdiv(D, BN)``
    arrivals per token, then in fp32 and fixed order ``k = 0..K-1``:
    ``dx = sum_k dA`` (after) or ``sum_k s * dA`` (before), and ``ds`` = the
-   returned sum (after) or ``<x, dA>`` (before, in column order of ``BD``
-   blocks).
+   returned sum (after) or ``<x, dA>`` (before: per ``BD`` block of columns a
+   pairwise sum, ``ordered_sums``, the blocks in column order).
+
+The router-score sums are the only sums over a tile's columns here; their
+order is fixed by the column indices, so ``block_m``, ``reduce_block_tokens``
+and the warps (which shape the tiles' layouts on a GPU) keep the bits.
 
 Sequential schedule: the kernel once with dA tiles only, once with reduce
 tasks only; fused: both in one persistent grid. Bitwise equal.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .ordered_sums import ordered_partials_sum, pairwise_row_sum
 from .scoreboard import (
     CONTROL_WORDS,
     CTL_COMBINE_TILE_TASKS,
@@ -61,7 +66,7 @@ def da_tile(
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
     RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr,
+    RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
@@ -122,10 +127,14 @@ def da_tile(
              mask=mask)
     if not SCORE_BEFORE:
         if n0 == 0:
-            offs_p = tl.arange(0, NHBP)
-            parts = tl.load(ds_parts + offs_m[:, None].to(tl.int64) * NHB + offs_p[None, :],
-                            mask=mask_m[:, None] & (offs_p < NHB)[None, :], other=0.0)
-            total = tl.sum(parts, axis=1)
+            row_parts = ds_parts + offs_m.to(tl.int64) * NHB
+            if INTERPRET:
+                offs_p = tl.arange(0, NHBP)
+                parts = tl.load(row_parts[:, None] + offs_p[None, :], mask=mask_m[:, None] & (offs_p < NHB)[None, :],
+                                other=0.0)
+                total = tl.sum(parts, axis=1)
+            else:
+                total = ordered_partials_sum(row_parts, mask_m, NHB)
             ds = arena_ptr(arena.f32, arena, anchor_rank, source, arena.returned_f32)
             tl.store(ds + row * RET_ROW_F32 + PARTS_AT_F32, total, mask=mask_m)
     if RACE:
@@ -143,7 +152,7 @@ def da_reduce_task(
     BT: tl.constexpr, BD: tl.constexpr,
     KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
     WORLD: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
-    SCOPE: tl.constexpr,
+    SCOPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dx and ds of ``BT`` tokens, once all their dA rows are back."""
     local = task // tasks_per_rank
@@ -174,7 +183,10 @@ def da_reduce_task(
                     if SCORE_BEFORE:
                         score = tl.load(scores_ptr + local * route.copy_stride + offs_t * TOP_K + k, mask=mask_t)
                         acc += score[:, None] * da
-                        part = tl.sum(x * da, axis=1)
+                        if INTERPRET:
+                            part = tl.sum(x * da, axis=1)
+                        else:
+                            part = pairwise_row_sum(x * da, BT)
                         ds += tl.where(offs_k[None, :] == k, part[:, None], 0.0)
                     else:
                         acc += da
@@ -225,6 +237,7 @@ def da_combine_kernel(
     RACE: tl.constexpr = False,  # LayerParams.debug_race (testing only; scoreboard: race mode)
     SLACK: tl.constexpr = 0,  # LayerParams.debug_wait_slack (testing only)
     SCOPE: tl.constexpr = "sys",  # scoreboard.sync_scope
+    INTERPRET: tl.constexpr = False,  # Triton's interpreter: tl.sum for the score sums (ordered_sums)
 ):
     COL_BLOCKS: tl.constexpr = (DIM + BN - 1) // BN
     col_blocks = tl.cdiv(DIM, BN)
@@ -251,7 +264,7 @@ def da_combine_kernel(
                     local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
                     control_ptr + local * _CONTROL_WORDS, rank,
                     DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, RACE, COL_BLOCKS, SCOPE,
+                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, RACE, COL_BLOCKS, SCOPE, INTERPRET,
                 )
                 release_token_arrivals(source, token, rows, arena, anchor_rank, SCOPE)
             task = claim_task(control_ptr, _CTL_DA_TASKS)
@@ -263,5 +276,6 @@ def da_combine_kernel(
         while task < total:
             da_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, x_ptr, x_rank_stride,
                            dx_ptr, ds_ptr, arena, anchor_rank, TOP_K * col_blocks, timeout, DIM, TOP_K, SCORE_BEFORE,
-                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS, SCOPE)
+                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS, SCOPE,
+                           INTERPRET)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

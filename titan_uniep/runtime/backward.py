@@ -393,7 +393,7 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
             BM=p.block_m, BN=p.da_block_n, BK=p.da_block_k, NHB=col_blocks_dh,
             NHBP=triton.next_power_of_2(col_blocks_dh), BD=da_reduce_dim(p, score_before),
             RET_ROW_F32=2 * dim * elem // 4, PARTS_AT_F32=dim * elem // 4, TMA=da_rows is not None,
-            **shape_meta, **da_opts,
+            INTERPRET=interpreting(), **shape_meta, **da_opts,
         )
 
     for phase in phases:
