@@ -1,6 +1,7 @@
 """titan_uniep.compare_loss: parsing, verdicts and exit codes (no training)."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -80,6 +81,15 @@ def test_rtol_and_atol_bound_the_difference(tmp_path):
     assert run_main(a, b, "--atol", "1e-6", *plot) == 1
 
 
+def test_mean_rel_averages_the_per_step_relative_differences(tmp_path, capsys):
+    nudged = [LOSSES[0], LOSSES[1] * (1 + 3e-4), LOSSES[2] * (1 - 6e-4)]
+    result = compare(load_run(write_dump(tmp_path / "a", LOSSES)), load_run(write_dump(tmp_path / "b", nudged)))
+    assert result.max_rel == pytest.approx(6e-4, rel=1e-9)
+    assert result.mean_rel == pytest.approx((0 + 3e-4 + 6e-4) / 3, rel=1e-9)
+    assert run_main(tmp_path / "a", tmp_path / "b", "--plot", tmp_path / "p.png") == 0
+    assert "mean rel diff 3.000e-04 over 3 steps" in capsys.readouterr().out
+
+
 def test_logs_claim_only_five_decimal_equality(tmp_path, capsys):
     almost = [x + 1e-7 for x in LOSSES]  # same 5-decimal text, different floats
     log = write_log(tmp_path / "a.log", LOSSES)
@@ -137,6 +147,7 @@ def test_a_nan_loss_is_a_difference_never_equal(tmp_path, capsys, where):
     a, b = write_dump(tmp_path / "a", a_losses), write_dump(tmp_path / "b", b_losses)
     result = compare(load_run(a), load_run(b))
     assert not result.bitwise and result.nan_steps == [2]
+    assert math.isnan(result.max_rel) and math.isnan(result.mean_rel)
     # Within no tolerance, however wide.
     assert run_main(a, b, "--assert-bitwise", "--rtol", "1e9", "--atol", "1e9", "--plot", tmp_path / "p.png") == 1
     out = capsys.readouterr().out

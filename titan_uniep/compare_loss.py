@@ -57,6 +57,8 @@ class Comparison:
     max_abs: float
     """NaN when a common step has a NaN loss in either run."""
     max_rel: float
+    mean_rel: float
+    """Mean of the per-step relative differences (NaN as ``max_rel``; 0.0 without common steps)."""
     nan_steps: list[int]
     """Common steps where either run's loss is NaN (never equal)."""
     bitwise: bool
@@ -113,12 +115,14 @@ def compare(a: Run, b: Run) -> Comparison:
     pairs = [(a.losses[s], b.losses[s]) for s in steps]
     if not exact:  # a log has 5 decimals: compare what both actually say
         pairs = [(round(x, 5), round(y, 5)) for x, y in pairs]
+    rel = [_rel(x, y) for x, y in pairs]
     return Comparison(
         steps=steps,
         only_a=sorted(a.losses.keys() - b.losses.keys()),
         only_b=sorted(b.losses.keys() - a.losses.keys()),
         max_abs=_max(_abs(x, y) for x, y in pairs),
-        max_rel=_max(_rel(x, y) for x, y in pairs),
+        max_rel=_max(rel),
+        mean_rel=math.fsum(rel) / len(rel) if rel else 0.0,
         nan_steps=[s for s, (x, y) in zip(steps, pairs) if math.isnan(x) or math.isnan(y)],
         bitwise=all(_same(x, y) for x, y in pairs),
         exact=exact,
@@ -200,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if result.steps:
         print(format_table(a, b, result.steps, labels))
-        print(f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e} over {len(result.steps)} steps")
+        print(f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e}, "
+              f"mean rel diff {result.mean_rel:.3e} over {len(result.steps)} steps")
         if result.nan_steps:
             print(f"NaN loss at steps {result.nan_steps}: a NaN equals nothing, not even another NaN")
         out = args.plot or _default_plot_path(args.run_b)
