@@ -33,8 +33,13 @@ context_parallel_degree``), per direction:
    every gradient); a point that does not is never cached (a schedule point
    that does not is a broken contract: the tuner reports it and exits 1);
    the next fastest is tried instead;
-4. the pick of both directions becomes one entry of the cache
-   (``tuning.cache``, ``--cache``, merged into the file by rank 0).
+4. before the picks of both directions become one entry of the cache
+   (``tuning.cache``, ``--cache``, merged into the file by rank 0), the
+   tuned layer (forward at the forward pick, backward at the backward
+   pick) runs once more beside the default: its forward output, h1 | h3
+   and every gradient must equal the default's bit for bit on every rank
+   (``verify_entry``), else nothing of the shape is cached and the refusal
+   names the fields and the tensors that differ.
 
 A progress bar per shape counts the measurements. ``--numerics`` lets the
 candidates change summation-order fields too: they are measured and
@@ -400,6 +405,25 @@ def equal_everywhere(pairs, group: dist.ProcessGroup, device) -> bool:
     return bool(flag.item())
 
 
+def verify_entry(forward, backward, default: LayerParams, forward_point: LayerParams, backward_point: LayerParams,
+                 h13: torch.Tensor, group: dist.ProcessGroup, device) -> list[str]:
+    """The tensors (``out``, ``h13``, ``dx``, ``dscores``, ``dw1``, ``dw2``,
+    ``dw3``) in which the tuned layer (the forward at ``forward_point``, the
+    backward at ``backward_point`` on that forward's h1 | h3) differs from
+    the default's on any rank of ``group``; empty when every bit is equal.
+    ``forward(point)`` / ``backward(point)`` run one call into ``h13``."""
+    names = ("out", "h13", "dx", "dscores", "dw1", "dw2", "dw3")
+    runs = []
+    for fwd, bwd in ((default, default), (forward_point, backward_point)):
+        h13.zero_()
+        out = forward(fwd).clone()
+        saved = h13.clone()
+        runs.append((out, saved, *(g.clone() for g in backward(bwd))))
+    flags = torch.tensor([int(torch.equal(a, b)) for a, b in zip(*runs)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    return [name for name, same in zip(names, flags.tolist()) if not same]
+
+
 def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptions) -> SearchResult:
     """Measure ``layer``'s candidates on ``group`` (every rank calls it) and
     return the entry for the cache (module docstring). GPU only."""
@@ -514,6 +538,14 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
         torch.cuda.empty_cache()
     if result.violations:
         return result  # a broken contract: nothing of this shape is cached
+    tuned = (cands["forward"][picks["forward"]][0], cands["backward"][picks["backward"]][0])
+    if tuned != (default, default):
+        differ = verify_entry(forward, backward, default, *tuned, h13, group, dev)
+        if differ:
+            result.violations.append(
+                f"{layer.name}: refused: the tuned point (forward {label(tuned[0], default)}; backward "
+                f"{label(tuned[1], default)}) gives other bits than the default in {', '.join(differ)}")
+            return result
     rows = {d: {row["point"]: row for row in result.table[d]} for d in result.table}
     result.entry = CacheEntry(
         key=CacheKey.for_layer(gpu=torch.cuda.get_device_name(dev), ep_size=world, dtype=layer.dtype,
