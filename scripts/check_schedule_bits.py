@@ -200,7 +200,9 @@ def main() -> int:
                     "(default: tests/interpreter_dot.py's shape-independent dot)")
     args = ap.parse_args()
     max_values = None if args.values == "all" else int(args.values)
-    names = args.fields.split(",") if args.fields else [n for n, f in space.FIELDS.items() if f.kind != "fixed"]
+    # Schedule and mixed fields first: the contract is theirs (a run cut short has checked them).
+    names = args.fields.split(",") if args.fields else sorted(
+        (n for n, f in space.FIELDS.items() if f.kind != "fixed"), key=lambda n: space.FIELDS[n].kind == "numerics")
     unknown = [n for n in names if n not in space.FIELDS]
     if unknown:
         ap.error(f"unknown fields {unknown}")
