@@ -107,8 +107,11 @@ def field_base(name: str, base):
     return base
 
 
-def run_unit(device: str, case: dict, score_before: bool, names: list[str], max_values: int | None) -> list[dict]:
-    """One case, one score mode, some fields: every variant's result (one worker's share)."""
+def run_unit(device: str, case: dict, score_before: bool, names: list[str], max_values: int | None,
+             repeat: int = 1) -> list[dict]:
+    """One case, one score mode, some fields: every variant's result (one worker's share).
+    ``repeat``: every variant runs that many times (a difference in any run counts), and the
+    base point's own runs after the first are checked against it (``field`` "(base point)")."""
     case = dict(case, kind=device, params={})
     inputs = golden.make_inputs(case, "cuda" if device == "cuda" else "cpu")
     world = case["W"]
@@ -119,6 +122,14 @@ def run_unit(device: str, case: dict, score_before: bool, names: list[str], max_
     mode = "before" if score_before else "after"
     refs: dict = {}
     results = []
+    for again in range(1, repeat):
+        refs.setdefault(base, digests(base, inputs, score_before))
+        diff = changed(digests(base, inputs, score_before), refs[base])
+        verdict = "BASE POINT NOT REPRODUCIBLE" if diff else "ok"
+        print(f"  [{case['name']} {mode}] base point, run {again + 1}: {verdict}; changed: {diff or 'nothing'}",
+              flush=True)
+        results.append(dict(case=case["name"], world=world, scores=mode, field="(base point)", value=again + 1,
+                            kind="schedule", keeps_bits_by_table=True, changed=diff, verdict=verdict))
     for name in names:
         field = space.FIELDS[name]
         start = field_base(name, base)
@@ -139,7 +150,8 @@ def run_unit(device: str, case: dict, score_before: bool, names: list[str], max_
             try:
                 if start not in refs:
                     refs[start] = digests(start, inputs, score_before)
-                diff = changed(digests(point, inputs, score_before), refs[start])
+                diff = sorted({t for _ in range(repeat) for t in changed(digests(point, inputs, score_before),
+                                                                        refs[start])})
             except ValueError as err:  # a choice this device cannot run (grouped_mm without a GPU)
                 print(f"  [{case['name']} {mode}] {name}={value!r}: cannot run here ({err})", flush=True)
                 continue
@@ -159,11 +171,11 @@ def run_unit(device: str, case: dict, score_before: bool, names: list[str], max_
 
 
 def _run_unit_in_worker(args: tuple) -> list[dict]:
-    device, case, score_before, names, max_values, blas_dot = args
+    device, case, score_before, names, max_values, blas_dot, repeat = args
     if device == "cpu" and not blas_dot:
         with shape_independent_dot():
-            return run_unit(device, case, score_before, names, max_values)
-    return run_unit(device, case, score_before, names, max_values)
+            return run_unit(device, case, score_before, names, max_values, repeat)
+    return run_unit(device, case, score_before, names, max_values, repeat)
 
 
 def table(results: list[dict]) -> str:
@@ -193,6 +205,9 @@ def main() -> int:
                     help="score modes (router scores applied after or before the experts)")
     ap.add_argument("--cases", help="comma-separated case names (default: every case of the device)")
     ap.add_argument("--workers", type=int, default=1, help="processes the (case, score mode, field) units run in")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every variant, and of the base point against its first run (a flaky result "
+                    "differs in some run)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--table", help="write a Markdown table here (one row per field)")
     ap.add_argument("--blas-dot", action="store_true",
@@ -215,7 +230,7 @@ def main() -> int:
     modes = {"after": (False,), "before": (True,), "both": (False, True)}[args.scores]
     # Units small enough to balance the workers: a few fields each.
     per_unit = max(1, len(names) * len(cases) * len(modes) // max(1, 3 * args.workers)) if args.workers > 1 else len(names)
-    units = [(args.device, case, sb, names[i:i + per_unit], max_values, args.blas_dot)
+    units = [(args.device, case, sb, names[i:i + per_unit], max_values, args.blas_dot, args.repeat)
              for case in cases for sb in modes for i in range(0, len(names), per_unit)]
     start = time.time()
     results: list[dict] = []
@@ -229,7 +244,7 @@ def main() -> int:
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for part in pool.map(_run_unit_in_worker, units):
                 results += part
-    bad = [r for r in results if r["verdict"] == "SCHEDULE FIELD CHANGED BITS"]
+    bad = [r for r in results if r["verdict"] in ("SCHEDULE FIELD CHANGED BITS", "BASE POINT NOT REPRODUCIBLE")]
     print(f"{len(results)} variants in {time.time() - start:.0f} s; {len(bad)} schedule variants changed bits")
     for r in bad:
         print(f"  {r['case']} scores {r['scores']}: {r['field']}={r['value']!r} changed {', '.join(r['changed'])}")

@@ -178,14 +178,16 @@ def test_sampled_point_on_the_real_path_gives_the_default_points_bits(one_rank_g
 
 
 def test_tuner_refuses_to_cache_a_point_that_changes_bits(one_rank_group, monkeypatch):
-    """A pick whose fc1 K step differs from the default's (a numerics field:
-    another fp32 summation order) planted as the forward's choice: the search
-    caches nothing and its refusal names the field and the tensors."""
+    """A pick whose dH tile width differs from the default's (a numerics field:
+    the router-score gradient sums one fp32 partial per dH column block, so
+    other bits with scores after the experts; the one-field check shows it on
+    every GPU shape) planted as both directions' choice: the search caches
+    nothing and its refusal names the field and the tensors."""
     from titan_uniep import tune
 
     layer = tune.MoELayer("planted", 512, 576, 744, 20, 4)
     default = default_params(1, hidden=layer.hidden)
-    planted = default.replace(fc1_block_k=32 if default.fc1_block_k != 32 else 64)
+    planted = default.replace(dh_block_n=64 if default.dh_block_n != 64 else 32)
 
     def two_candidates(layer, stats, world, direction, options, hw, ranked=None, best_out=None):
         from titan_uniep.tuning.model import predict
@@ -204,4 +206,4 @@ def test_tuner_refuses_to_cache_a_point_that_changes_bits(one_rank_group, monkey
     result = tune.search_layer(one_rank_group, layer, options)
     assert result.entry is None, "a point that changes bits was cached"
     (message,) = result.violations
-    assert "fc1_block_k" in message and "refused" in message and "out" in message, message
+    assert "dh_block_n" in message and "refused" in message and "dscores" in message, message
