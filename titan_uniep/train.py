@@ -32,7 +32,8 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
 from titan_uniep.cpu import apply_cpu_shims, fp32_compute_args
-from titan_uniep.preflight import preflight
+from titan_uniep.launch import exit_with_error
+from titan_uniep.preflight import check_job, path_overrides
 
 LOSS_FILE = "loss.jsonl"
 
@@ -113,11 +114,11 @@ def main() -> None:
     # instead of waiting on a network that training machines do not have.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    try:  # before TorchTitan builds anything: config file, NGPU vs the degrees, [uniep]
-        paths = preflight(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    try:  # before TorchTitan builds anything: config file, keys, NGPU vs the degrees, [uniep]
+        job_config = check_job(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as err:
-        sys.exit(f"error: {err}")
-    ConfigManager.parse_args.__defaults__[0].extend(paths)  # the same paths resolved (see below), so last
+        exit_with_error(str(err))
+    ConfigManager.parse_args.__defaults__[0].extend(path_overrides(job_config))  # resolved paths (see below), last
     if apply_cpu_shims():
         overrides = fp32_compute_args()
         if overrides:
@@ -129,7 +130,12 @@ def main() -> None:
             init_logger()  # torchtitan's main sets it up the same way again
             logger.info("UniEP: this CPU has no native bf16, so training computes in fp32 "
                         "(%s; add --training.mixed_precision_param bfloat16 to keep bf16)", " ".join(overrides))
-    torchtitan_main(LossRecordingTrainer)
+    try:
+        torchtitan_main(LossRecordingTrainer)
+    except ValueError as err:
+        # TorchTitan's and UniEP's configuration errors (validation raises ValueError with
+        # the fix); TorchTitan's @record kept the traceback in the error file.
+        exit_with_error(f"{type(err).__name__}: {err}")
     if not torch.cuda.is_available():
         # Training finished and the process group is gone; skip the C++ static
         # destructors, where gloo has aborted (SIGABRT) after a complete run.
