@@ -555,7 +555,7 @@ def _progress(total: int, name: str, show: bool):
         return _NoBar()
     try:
         from tqdm import tqdm
-    except ImportError:  # datasets (TorchTitan's dependency) brings it; a bare environment may not have it
+    except ImportError:  # a dependency of titan_uniep, but an install with --no-deps may lack it
         print(f"tuning {name}: {total} measurements (install tqdm for a progress bar)", flush=True)
         return _NoBar()
     return tqdm(total=total, desc=f"tune {name}", unit="run", file=sys.stderr, dynamic_ncols=True)
