@@ -83,6 +83,19 @@ def test_deepseek_v3_uniep_reference_tracks_baseline(baseline, uniep):
     assert result.max_rel <= UNIEP_VS_BASELINE_RTOL, f"max rel diff {result.max_rel:.3e}"
 
 
+def test_a_cpu_run_keeps_its_logs_in_the_dump_folder_and_logs_no_gpu_only_noise(baseline, uniep):
+    for run in (baseline, uniep):
+        # Every rank's output under the dump folder (torchrun's --log-dir), no empty comm_traces/
+        # (the flight recorder's dumps are NCCL's).
+        assert [p.name for p in (run.dump_folder / "logs").glob("*/attempt_0/*/stderr.log")] == ["stderr.log"] * 2
+        assert not (run.dump_folder / "comm_traces").exists()
+        for noise in ("lspci", "Peak flops undefined", "may not have complete support on cpu device mesh"):
+            assert noise not in run.output, noise
+    # TorchTitan's build logs its standard MoE blocks; UniEP's run says what replaced them instead.
+    assert "Standard MoE: num_experts=8" in baseline.output and "Standard MoE" not in uniep.output
+    assert "UniEP: 5 MoE layers on schedule 'reference' (EP degree 2)" in uniep.output
+
+
 # ---------------------------------------------------------------------------
 # Checkpoint interchange: a resumed curve against the uninterrupted one.
 # ---------------------------------------------------------------------------
