@@ -54,9 +54,9 @@ else
     export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 fi
 
-# torchrun (launch.py: the same arguments; when a worker fails, a short report
+# torchrun (torchrun.py: the same arguments; when a worker fails, a short report
 # ending with its error instead of torchrun's traceback). localhost:0 lets the
 # c10d rendezvous pick a free port, so runs never collide.
-exec python3 "${REPO_ROOT}/titan_uniep/launch.py" --nproc_per_node="${NGPU}" --rdzv_backend c10d \
+exec python3 "${REPO_ROOT}/titan_uniep/torchrun.py" --nproc_per_node="${NGPU}" --rdzv_backend c10d \
     --rdzv_endpoint=localhost:0 --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     --log-dir "${DUMP_FOLDER}/logs" -m titan_uniep.train --job.config_file "${CONFIG_FILE}" "$@"

@@ -308,7 +308,7 @@ def test_run_train_keeps_torchruns_logs_in_the_dump_folder(tmp_path):
     proc = _run_train(tmp_path, tmp_path, "--job.dump_folder", "out/x", NGPU="2", CONFIG_FILE=str(UNIEP_CONFIG))
     assert proc.returncode == 0, proc.stderr[-2000:]
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[0].endswith("titan_uniep/launch.py") and args[args.index("--log-dir") + 1] == "out/x/logs", args
+    assert args[0].endswith("titan_uniep/torchrun.py") and args[args.index("--log-dir") + 1] == "out/x/logs", args
 
 
 @pytest.mark.slow

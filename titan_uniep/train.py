@@ -33,7 +33,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
 from titan_uniep.cpu import CPU_ARGS, apply_cpu_shims, fp32_compute_args
-from titan_uniep.launch import exit_with_error
+from titan_uniep.torchrun import exit_with_error
 from titan_uniep.preflight import check_job, path_overrides
 
 LOSS_FILE = "loss.jsonl"

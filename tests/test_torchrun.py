@@ -1,4 +1,4 @@
-"""titan_uniep.launch: when a worker fails, run_train.sh ends with that worker's own error,
+"""titan_uniep.torchrun: when a worker fails, run_train.sh ends with that worker's own error,
 not with torchrun's traceback and table."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from titan_uniep.launch import failure_report
+from titan_uniep.torchrun import failure_report
 
-LAUNCH = Path(__file__).resolve().parents[1] / "titan_uniep" / "launch.py"
+TORCHRUN = Path(__file__).resolve().parents[1] / "titan_uniep" / "torchrun.py"
 
 
 def _failure(tmp_path: Path, rank: int, exitcode: int, record: dict | None) -> ProcessFailure:
@@ -62,7 +62,7 @@ def test_report_of_a_worker_that_recorded_nothing_says_where_its_output_is(tmp_p
 WORKER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from launch import exit_with_error
+from torchrun import exit_with_error
 exit_with_error("[uniep] guard_layer = 9: the model has 5 MoE layers. Set guard_layer to -5 .. 4.")
 """
 
@@ -71,9 +71,9 @@ def test_a_failed_launch_ends_with_the_workers_message_and_no_torchrun_traceback
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(LAUNCH), "--nproc_per_node=2", "--rdzv_backend", "c10d",
+    proc = subprocess.run([sys.executable, str(TORCHRUN), "--nproc_per_node=2", "--rdzv_backend", "c10d",
                            "--rdzv_endpoint=localhost:0", "--log-dir", str(tmp_path / "logs"), str(script),
-                           str(LAUNCH.parent)], env=env, capture_output=True, text=True, timeout=120)
+                           str(TORCHRUN.parent)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[-1] == ("[uniep] guard_layer = 9: the model has 5 MoE layers. Set guard_layer to "

@@ -1,6 +1,6 @@
 """torchrun with a short failure report; run_train.sh launches training through it.
 
-    python3 titan_uniep/launch.py [torchrun arguments] -m titan_uniep.train [training arguments]
+    python3 titan_uniep/torchrun.py [torchrun arguments] -m titan_uniep.train [training arguments]
 
 The arguments are torchrun's (``torch.distributed.run``), unchanged, and so is
 everything until a worker fails. Then torchrun raises ``ChildFailedError``, and
