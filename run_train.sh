@@ -7,6 +7,7 @@
 # NGPU: processes (one per GPU; without a GPU, CPU processes over gloo). Default 2.
 # CONFIG_FILE: the TOML train config. Works from any working directory.
 # LOG_RANK: local ranks whose output is shown (torchrun --local-ranks-filter). Default 0.
+#   Every rank's output is also kept under <job.dump_folder>/logs.
 # Extra arguments override the TOML (``--section.key value``).
 set -euo pipefail
 
@@ -15,19 +16,26 @@ LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/deepseek_v3_debug_baseline.toml}
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-# Fail at once, not after torchrun and TorchTitan have started. A relative
-# CONFIG_FILE is taken from the working directory, else from this checkout
-# (so CONFIG_FILE=train_configs/x.toml works from anywhere); the relative
-# paths inside the configs resolve the same way (titan_uniep.preflight).
+# Fail at once, not after torchrun and TorchTitan have started (about 10 s on
+# 2 cores). A relative CONFIG_FILE is taken from the working directory, else
+# from this checkout (so CONFIG_FILE=train_configs/x.toml works from anywhere);
+# the relative paths inside the configs resolve the same way (titan_uniep.preflight).
 if [[ ! -f "${CONFIG_FILE}" && "${CONFIG_FILE}" != /* && -f "${REPO_ROOT}/${CONFIG_FILE}" ]]; then
     CONFIG_FILE="${REPO_ROOT}/${CONFIG_FILE}"
 fi
 if [[ ! -f "${CONFIG_FILE}" ]]; then
-    echo "run_train.sh: CONFIG_FILE=${CONFIG_FILE} is not a file (looked in $(pwd) and ${REPO_ROOT});" \
+    looked_in="$(pwd)"
+    [[ "${looked_in}" -ef "${REPO_ROOT}" ]] || looked_in="${looked_in} and ${REPO_ROOT}"
+    echo "run_train.sh: CONFIG_FILE=${CONFIG_FILE} is not a file (looked in ${looked_in});" \
         "pass a train config, e.g. CONFIG_FILE=train_configs/deepseek_v3_debug_uniep.toml" >&2
     exit 2
 fi
-python3 "${REPO_ROOT}/titan_uniep/preflight.py" "${CONFIG_FILE}" || exit 2  # TOML syntax, with line and column
+# The worker's first checks, with the standard library only (~0.1 s): TOML syntax,
+# [uniep] keys and values, NGPU against the [parallelism] degrees, of the file and
+# the overrides. It prints the job's dump folder, where torchrun keeps every rank's
+# output (not a /tmp/torchelastic_* folder per run).
+DUMP_FOLDER=$(python3 "${REPO_ROOT}/titan_uniep/preflight.py" "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@") \
+    || exit 2
 
 # Import titan_uniep from this checkout from any working directory, installed or not.
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
@@ -46,7 +54,9 @@ else
     export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 fi
 
-# localhost:0 lets the c10d rendezvous pick a free port, so runs never collide.
-exec python3 -m torch.distributed.run --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint=localhost:0 \
-    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
-    -m titan_uniep.train --job.config_file "${CONFIG_FILE}" "$@"
+# torchrun (torchrun.py: the same arguments; when a worker fails, a short report
+# ending with its error instead of torchrun's traceback). localhost:0 lets the
+# c10d rendezvous pick a free port, so runs never collide.
+exec python3 "${REPO_ROOT}/titan_uniep/torchrun.py" --nproc_per_node="${NGPU}" --rdzv_backend c10d \
+    --rdzv_endpoint=localhost:0 --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    --log-dir "${DUMP_FOLDER}/logs" -m titan_uniep.train --job.config_file "${CONFIG_FILE}" "$@"

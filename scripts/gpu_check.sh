@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_check.sh                     # everything
 #   STEPS="tests" bash scripts/gpu_check.sh       # a subset of: tests bench bench_backward
-#   SHAPES=qwen3 REPS=20 bash scripts/gpu_check.sh
+#   SHAPES="qwen3 4096,2048,768,128,8" REPS=20 bash scripts/gpu_check.sh   # shapes: --shape values, spaces between
 #
 # TorchTitan and its pure-Python dependencies: installed already, or as
 # wheels in $WHEELS (default .gpu-wheels/), installed into a scratch folder.
@@ -28,7 +28,9 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } | tee "$OUT/env.txt"
 STEPS=${STEPS:-tests bench bench_backward}
-SHAPES=${SHAPES:-qwen3,deepseek,mixtral}
+SHAPES=${SHAPES:-qwen3 deepseek mixtral}
+shape_args=()
+for s in $SHAPES; do shape_args+=(--shape "$s"); done
 status=0
 for step in $STEPS; do
     case $step in
@@ -39,7 +41,7 @@ for step in $STEPS; do
     bench | bench_backward)
         echo "== titan_uniep.$step, world size $NGPU"
         timeout "${BENCH_S:-300}" python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-            -m "titan_uniep.$step" --shapes "$SHAPES" --check --warmup "${WARMUP:-3}" --reps "${REPS:-10}" \
+            -m "titan_uniep.$step" "${shape_args[@]}" --check --warmup "${WARMUP:-3}" --reps "${REPS:-10}" \
             --json-out "$OUT/$step.jsonl" ${BENCH_EXTRA:-} > "$OUT/$step.log" 2>&1 || status=1
         grep -E "^\||Error|Traceback" "$OUT/$step.log" | cut -c1-300 | tail -20 ;;
     *) echo "unknown step $step (tests, bench, bench_backward)"; exit 2 ;;

@@ -1,7 +1,7 @@
 """Time UniEP's kernels at parameter points on one GPU, and check their bits.
 
     python scripts/probe.py --shape qwen3 --world 2 --variants '[{}, {"fc2_block_n": 256}]'
-    python scripts/probe.py --shape deepseek --tokens 2048 --set da_block_k=64
+    python scripts/probe.py --shape 2048,7168,2048,256,8 --set da_block_k=64
     python scripts/probe.py --shape qwen3 --world 1 --real-path
 
 A simulated EP world of ``--world`` ranks runs on this GPU (every rank's
@@ -26,10 +26,10 @@ import statistics
 
 import torch
 
-from titan_uniep.bench import SHAPES
 from titan_uniep.params import apply_overrides, default_params
 from titan_uniep.runtime import (BackwardWorkspace, Workspace, moe_forward, simulated_moe_backward,
                                  simulated_moe_forward)
+from titan_uniep.shapes import add_shape_argument
 from titan_uniep.timing import time_ms
 
 
@@ -49,10 +49,9 @@ def world_inputs(t, d, h, e, k, world, seed=0):
                 w3=randn(world, el, h, d, scale=d ** -0.5))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3", help=f"one of {', '.join(SHAPES)} or T,D,H,E,K")
-    ap.add_argument("--tokens", type=int, default=0, help="tokens per rank instead of the shape's")
+    add_shape_argument(ap, default=("qwen3",))
     ap.add_argument("--world", type=int, default=2, help="simulated EP ranks on this GPU")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change the default point")
     ap.add_argument("--variants", default="[{}]", help="JSON list of LayerParams overrides; the first is the baseline")
@@ -62,10 +61,15 @@ def main() -> None:
     ap.add_argument("--real-path", action="store_true", help="world 1: also time moe_forward on a one-rank group")
     ap.add_argument("--forward-only", action="store_true", help="time the fused forward only (bits: forward and "
                     "every gradient, as always)")
-    args = ap.parse_args()
+    return ap
 
-    t, d, h, e, k = SHAPES[args.shape] if args.shape in SHAPES else map(int, args.shape.split(","))
-    t = args.tokens or t
+
+def main() -> None:
+    ap = build_parser()
+    args = ap.parse_args()
+    if len(args.shapes) != 1:
+        ap.error("the probe times one layer: give one --shape")
+    shape_name, (t, d, h, e, k) = args.shapes[0]
     world, sb = args.world, args.score_before
     base = apply_overrides(default_params(world, hidden=h), args.set)
     points = [base.replace(**change) for change in json.loads(args.variants)]
@@ -75,7 +79,7 @@ def main() -> None:
     bws = BackwardWorkspace.simulated(world, **sizes, params=base)
     h13 = torch.empty(world, ws.shape.slot_capacity, 2 * h, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(inp["x"])
-    print(f"shape {args.shape}: T={t} per rank, D={d}, H={h}, E={e}, K={k}, simulated world {world}, "
+    print(f"shape {shape_name}: T={t} per rank, D={d}, H={h}, E={e}, K={k}, simulated world {world}, "
           f"{torch.cuda.get_device_name()}", flush=True)
 
     def forward(p, schedule):
@@ -116,7 +120,7 @@ def main() -> None:
         cols = " ".join("       -" if med[w] is None else f"{med[w]:8.3f}" for w in ("fwd", "bwd", "fwd_seq", "bwd_seq"))
         print(f"{label[:60]:60s} {cols}  "
               f"{'= baseline' if same else 'DIFFER'}", flush=True)
-        print("JSON " + json.dumps(dict(shape=args.shape, tokens=t, world=world, variant=change, **med,
+        print("JSON " + json.dumps(dict(shape=shape_name, tokens=t, world=world, variant=change, **med,
                                         bitwise_equal_to_baseline=same)))
 
     if args.real_path:

@@ -26,7 +26,7 @@ import torch
 
 from titan_uniep.params import apply_overrides, default_params
 from titan_uniep.runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
-from titan_uniep.shapes import layer_inputs, parse_shape
+from titan_uniep.shapes import add_shape_argument, layer_inputs
 from titan_uniep.timing import time_ms
 from titan_uniep.tuning.calibrate import _kernel_times, check, measurement_record
 from titan_uniep.tuning.model import RoutingStats, load_constants
@@ -98,17 +98,20 @@ def measure_layer(name: str, dims, overrides: list[str], reps: int) -> dict:
     return record
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", action="append", required=True, help="a titan_uniep.shapes name or T,D,H,E,K")
+    add_shape_argument(ap, required=True)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="change the default point")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", help="JSON file for the records (a list)")
     ap.add_argument("--constants", help="constants JSON: print the model's prediction beside each figure")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     records = []
-    for text in args.shape:
-        name, dims = parse_shape(text)
+    for name, dims in args.shapes:
         record = measure_layer(name, dims, args.set, args.reps)
         records.append(record)
         print(name, json.dumps({k: round(v, 4) for k, v in record["measured"].items()}), flush=True)

@@ -10,7 +10,7 @@
 #              the model's prediction and its per-stage breakdown
 #
 #   bash scripts/tune_h200.sh
-#   STEPS="tune report" SHAPES=qwen3_1gpu,odd_dim TOP=6 bash scripts/tune_h200.sh
+#   STEPS="tune report" SHAPES="qwen3_1gpu odd_dim" TOP=6 bash scripts/tune_h200.sh   # --shape values
 #   CALIBRATE_ARGS="--tiles grid" bash scripts/tune_h200.sh     # every grid tile measured
 #
 # Every step runs under a timeout (CALIBRATE_S 170, TUNE_S 420, REPORT_S 100 per
@@ -38,7 +38,9 @@ OUT=${OUT:-/tmp/uniep-tune}
 WORK=${WORK:-$(mktemp -d /tmp/uniep-tune-work.XXXXXX)}
 WHEELS=${WHEELS:-.gpu-wheels}
 STEPS=${STEPS:-calibrate tune report}
-SHAPES=${SHAPES:-qwen3_1gpu,deepseek_1gpu,mixtral_1gpu,small_experts,odd_dim}
+SHAPES=${SHAPES:-qwen3_1gpu deepseek_1gpu mixtral_1gpu small_experts odd_dim}
+shape_args=()
+for s in $SHAPES; do shape_args+=(--shape "$s"); done
 mkdir -p "$OUT" "$WORK/report"
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/uniep-site "$WHEELS"/*.whl || exit 1
@@ -75,8 +77,6 @@ for step in $STEPS; do
         tail -5 "$WORK/calibrate.log" ;;
     tune)
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
-        shape_args=()
-        for s in ${SHAPES//,/ }; do shape_args+=(--shape "$s"); done
         timeout "$(budget "${TUNE_S:-420}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-3}" \
             --warmup "${WARMUP:-2}" --reps "${REPS:-5}" --rounds "${ROUNDS:-2}" --confirm-rounds "${CONFIRM_ROUNDS:-4}" ${CONSTANTS[@]+"${CONSTANTS[@]}"} \
             --cache "$WORK/tuning.json" --json-out "$WORK/tune.jsonl" > "$WORK/tune.log" 2>&1 || status=1
@@ -85,7 +85,7 @@ for step in $STEPS; do
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
         for bench in bench bench_backward; do
             timeout "$(budget "${REPORT_S:-100}")" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
-                -m "titan_uniep.$bench" --shapes "$SHAPES" --check --report "$WORK/report" \
+                -m "titan_uniep.$bench" "${shape_args[@]}" --check --report "$WORK/report" \
                 --tuned-cache "$WORK/tuning.json" ${CONSTANTS[@]+"${CONSTANTS[@]}"} --warmup "${WARMUP:-2}" --reps "${REPS:-5}" \
                 --json-out "$WORK/$bench.jsonl" > "$WORK/$bench.log" 2>&1 || status=1
             grep -E "^\||CHECK FAILED|Error|Traceback" "$WORK/$bench.log" | cut -c1-300 | tail -20

@@ -1,7 +1,7 @@
 """Which optional paths the analytic model would pick, per shape: a Markdown table.
 
     python scripts/variant_report.py                                   # uncalibrated H200 constants
-    python scripts/variant_report.py --constants h200.json --worlds 1,2,4 --shapes qwen3,deepseek,mixtral
+    python scripts/variant_report.py --constants h200.json --worlds 1,2,4 --shape qwen3 --shape deepseek
 
 For every optional path of the layer (``VARIANTS``: descriptor loads in fc2
 and dA, deferred releases, fc2's flattened loop, own rows first,
@@ -22,11 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_uniep.shapes import add_shape_argument  # noqa: E402
 from titan_uniep.tuning.model import RoutingStats, default_constants, load_constants, rank  # noqa: E402
 from titan_uniep.tuning.space import LayerShape, enumerate_points  # noqa: E402
-
-SHAPES = {"qwen3": (8192, 2048, 768, 128, 8), "deepseek": (4096, 7168, 2048, 256, 8),
-          "mixtral": (8192, 4096, 14336, 8, 2)}
 
 # name: (is the path on for a point, needs the numerics grid)
 VARIANTS = {
@@ -42,18 +40,21 @@ VARIANTS = {
 }
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--constants", help="calibrated constants (default: uncalibrated H200)")
-    ap.add_argument("--shapes", default="qwen3,deepseek,mixtral")
+    add_shape_argument(ap, default=("qwen3", "deepseek", "mixtral"))
     ap.add_argument("--worlds", default="2")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     hw = load_constants(args.constants) if args.constants else default_constants("NVIDIA H200")
     print(f"constants: {hw.source}\n")
     print("| shape | W | path | best with (ms) | best without (ms) | model picks it |")
     print("|---|---|---|---|---|---|")
-    for name in args.shapes.split(","):
-        t, d, h, e, k = SHAPES[name]
+    for name, (t, d, h, e, k) in args.shapes:
         for world in (int(w) for w in args.worlds.split(",")):
             shape = LayerShape(t, d, h, e, k, world, 2)
             stats = RoutingStats.uniform(t, e, k, world)

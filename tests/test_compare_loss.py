@@ -127,13 +127,32 @@ def test_nothing_to_compare_exits_two(tmp_path, make_b):
     assert run_main(a, b, "--assert-bitwise") == 2
 
 
-def test_plot_goes_next_to_run_b_by_default(tmp_path):
-    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", LOSSES)
-    assert run_main(a, b, "--labels", "baseline", "uniep") == 0
-    assert (b / "loss_compare.png").is_file()
+def test_plot_is_named_after_both_runs_in_run_bs_folder(tmp_path):
+    base, uniep, again = (write_dump(tmp_path / name, LOSSES) for name in ("base", "uniep", "uniep_again"))
+    assert run_main(base, uniep) == 0
+    assert run_main(again, uniep) == 0  # comparing uniep with another run keeps the first plot
+    assert sorted(p.name for p in uniep.glob("*.png")) == ["loss_base_vs_uniep.png", "loss_uniep_again_vs_uniep.png"]
+    assert run_main(base, uniep, "--labels", "baseline", "UniEP ref") == 0
+    assert (uniep / "loss_baseline_vs_UniEP_ref.png").is_file()
     log = write_log(tmp_path / "b.log", LOSSES)
-    assert run_main(a, log) == 0
-    assert (tmp_path / "b_loss_compare.png").is_file()
+    assert run_main(base / "loss.jsonl", log) == 0
+    assert (tmp_path / "loss_base_vs_b.png").is_file()
+    assert run_main(base, uniep, "--out", tmp_path / "mine.png") == 0 and (tmp_path / "mine.png").is_file()
+
+
+@pytest.mark.parametrize("args,verdict", [
+    ((), "base vs uniep: NOT bitwise equal\nmax abs diff 8.081e-04, max rel diff 1.000e-04 over 3 steps"),
+    (("--rtol", "1e-3"), "base vs uniep: NOT bitwise equal; rtol=0.001 atol=0: within\n"),
+    (("--rtol", "1e-5"), "base vs uniep: NOT bitwise equal; rtol=1e-05 atol=0: EXCEEDED\n"),
+])
+def test_plot_title_carries_the_verdict(tmp_path, monkeypatch, args, verdict):
+    from titan_uniep import compare_loss
+
+    titles = []
+    monkeypatch.setattr(compare_loss, "plot", lambda *a, **kw: titles.append(a[5]))
+    base, uniep = write_dump(tmp_path / "base", LOSSES), write_dump(tmp_path / "uniep", [x * (1 + 1e-4) for x in LOSSES])
+    run_main(base, uniep, *args)
+    assert titles[0].startswith(verdict), titles
 
 
 @pytest.mark.parametrize("where", ["both", "a", "b"])

@@ -3,8 +3,10 @@ with a message naming the key and the fix; the configs run from any working dire
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,10 +28,14 @@ def test_missing_config_file_stops_train_main_before_torchtitan(tmp_path, monkey
 
     monkeypatch.setattr(train, "torchtitan_main", torchtitan_main)
     monkeypatch.setattr(sys, "argv", ["titan_uniep.train", "--job.config_file", str(tmp_path / "nope.toml")])
+    error_file = tmp_path / "error.json"  # torchrun names one per worker
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     with pytest.raises(SystemExit) as exit_info:
         train.main()
     message = str(exit_info.value.code)
     assert "nope.toml" in message and "does not exist" in message and "CONFIG_FILE" in message, message
+    # The launcher's report prints what the worker recorded: the message itself.
+    assert f"error: {json.loads(error_file.read_text())['message']}" == message
 
 
 def test_toml_syntax_error_names_file_line_and_column(tmp_path):
@@ -37,6 +43,92 @@ def test_toml_syntax_error_names_file_line_and_column(tmp_path):
     bad.write_text('[job]\ndescription = "x"\n\n[training\nsteps = 3\n')
     with pytest.raises(ValueError, match=r"bad\.toml' is not valid TOML: .*line 4, column 10"):
         pf.preflight([f"--job.config_file={bad}"], world_size=2)
+
+
+UNIEP_SECTION = """
+[job]
+custom_config_module = "titan_uniep.config"
+[experimental]
+custom_import = "titan_uniep"
+[model]
+name = "deepseek_v3_uniep"
+flavor = "debugmodel"
+[uniep]
+enable = true
+"""
+
+
+def test_misspelt_uniep_key_in_the_file_names_the_closest_key_and_the_fix(tmp_path):
+    # TorchTitan's own error: "Invalid field names in <class 'titan_uniep.config.UniEP'> data: {'shedule'}".
+    path = tmp_path / "job.toml"
+    path.write_text(UNIEP_SECTION + 'shedule = "fused"\n')
+    with pytest.raises(ValueError) as err:
+        pf.check_launch(["--job.config_file", str(path)], world_size=1)
+    message = str(err.value)
+    assert message.startswith(f"config file {str(path)!r}: shedule is not a key of [uniep]; did you mean schedule? "
+                              "Fix the key in the file"), message
+    assert "enable, schedule, guard" in message, message
+
+
+def test_misspelt_uniep_key_on_the_command_line_names_the_closest_flag():
+    args = ["--job.config_file", str(UNIEP_CONFIG)]
+    with pytest.raises(ValueError, match=r"^--uniep\.shedule is not a key of \[uniep\]; did you mean "
+                                         r"--uniep\.schedule\? Fix the override"):
+        pf.check_launch(args + ["--uniep.shedule", "fused"], world_size=2)
+    with pytest.raises(ValueError, match=r"^--uniep\.gard_layer is not .*did you mean --uniep\.guard_layer\?"):
+        pf.check_launch(args + ["--uniep.gard-layer=1"], world_size=2)
+    # tyro's spellings of real keys pass: hyphens, and a bool field's negative flag.
+    pf.check_launch(args + ["--uniep.guard-interval", "5", "--uniep.no-enable", "--uniep.no_enable"], world_size=2)
+
+
+def test_unknown_key_with_no_close_match_lists_the_sections_keys():
+    with pytest.raises(ValueError, match=r"^--uniep\.zzz is not a key of \[uniep\]\. Fix the override \(the keys of "
+                                         r"\[uniep\]: enable, schedule"):
+        pf.check_launch(["--job.config_file", str(UNIEP_CONFIG), "--uniep.zzz", "1"], world_size=2)
+
+
+@pytest.mark.parametrize("edit,extra,match", [
+    (("seq_len", "seqlen"), [], r"config file .*: seqlen is not a key of \[training\]; did you mean seq_len\?"),
+    (("[training]", "[trainng]"), [], r"config file .*: \[trainng\] is not a section of the train config; did you "
+                                     r"mean \[training\]\?"),
+    (None, ["--training.stesp", "3"], r"^--training\.stesp is not a key of \[training\]; did you mean "
+                                      r"--training\.steps\?"),
+])
+def test_worker_names_the_closest_key_of_every_section(tmp_path, edit, extra, match):
+    text = UNIEP_CONFIG.read_text()
+    if edit:
+        text = text.replace(*edit)
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        pf.check_job(["--job.config_file", str(path), *extra], world_size=2)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--uniep.schedule", "fast"], r"\[uniep\] schedule = 'fast' is not a schedule; use one of 'reference'"),
+    (["--uniep.guard_interval", "0"], r"\[uniep\] guard_interval must be a positive integer"),
+    (["--uniep.tuning", "cached"], r"\[uniep\] tuning = 'cached' tunes UniEP's kernels, but schedule = "
+                                   r"\"reference\" runs none"),
+])
+def test_uniep_values_of_the_file_and_the_overrides_are_checked_before_torchrun(extra, match):
+    with pytest.raises(ValueError, match=match):
+        pf.check_launch(["--job.config_file", str(UNIEP_CONFIG), *extra], world_size=2)
+
+
+def test_launch_stage_reads_degrees_and_dump_folder_from_file_and_overrides():
+    args = ["--job.config_file", str(BASELINE_CONFIG)]
+    assert pf.check_launch(args, world_size=2).dump_folder == "./outputs/deepseek_v3_debug_baseline"
+    launch = pf.check_launch(args + ["--parallelism.expert-parallel-degree=1", "--job.dump_folder", "out/x"], 1)
+    assert launch.dump_folder == "out/x"
+    with pytest.raises(ValueError, match=r"NGPU \(WORLD_SIZE\) = 3 .*expert_parallel_degree = 2"):
+        pf.check_launch(args, world_size=3)
+
+
+def test_launch_stage_defaults_are_torchtitans():
+    from torchtitan.config.job_config import Job, Parallelism
+
+    assert pf._DEGREE_DEFAULTS == {name: getattr(Parallelism(), name) for name in pf._DEGREE_DEFAULTS}
+    assert pf._DUMP_FOLDER_DEFAULT == Job().dump_folder
 
 
 def _parallelism(**degrees) -> SimpleNamespace:
@@ -60,9 +152,9 @@ def test_ngpu_that_does_not_fit_expert_parallel_degree_names_both(world):
 @pytest.mark.parametrize(
     "degrees,world,match",
     [
-        (dict(data_parallel_shard_degree=4), 2, r"product is 4\. Launch with NGPU = 4"),
-        (dict(tensor_parallel_degree=2, expert_parallel_degree=1), 3, r"= 2 does not divide 3\. Launch with NGPU = 2"),
-        (dict(expert_parallel_degree=4, context_parallel_degree=2), 2, r"= 4 to divide .* = 2\. Launch with NGPU = 4 or a"),
+        (dict(data_parallel_shard_degree=4), 2, r"product is 4\.\nLaunch with NGPU = 4"),
+        (dict(tensor_parallel_degree=2, expert_parallel_degree=1), 3, r"= 2 does not divide 3\.\nLaunch with NGPU = 2"),
+        (dict(expert_parallel_degree=4, context_parallel_degree=2), 2, r"= 4 to divide .* = 2\.\nLaunch with NGPU = 4 or a"),
         (dict(pipeline_parallel_degree=0), 2, r"parallelism\.pipeline_parallel_degree = 0 must be >= 1"),
     ],
 )
@@ -118,30 +210,55 @@ def test_ngpu_mismatch_stops_train_main_before_torchtitan(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["titan_uniep.train", "--job.config_file", str(UNIEP_CONFIG)])
     with pytest.raises(SystemExit) as exit_info:
         train.main()
-    assert "error: NGPU (WORLD_SIZE) = 1 does not match" in str(exit_info.value.code)
+    assert "error: NGPU (WORLD_SIZE) = 1 does not fit" in str(exit_info.value.code)
 
 
-def _run_train(cwd: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+EP1_UNIEP_CONFIG = REPO / "train_configs" / "qwen3_debug_moe_ep1_uniep.toml"
+
+
+def _cached(cache: Path) -> list[str]:
+    return ["--job.config_file", str(EP1_UNIEP_CONFIG), "--uniep.tuning", "cached", "--uniep.tuning_cache", str(cache)]
+
+
+def test_unreadable_or_foreign_tuning_cache_fails_preflight_naming_the_key(tmp_path):
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"format": "someone else\'s cache", "entries": []}')
+    with pytest.raises(ValueError, match=r"\[uniep\] tuning_cache: tuning cache .*foreign\.json is not a 'titan_uniep "
+                                         r"tuning cache' file.*Set \[uniep\] tuning_cache to a file written by"):
+        pf.check_job(_cached(foreign), world_size=1)
+    with pytest.raises(ValueError, match=r"\[uniep\] tuning_cache: tuning cache .* cannot be read"):
+        pf.check_job(_cached(tmp_path), world_size=1)  # a folder
+    # No file yet: every shape runs the defaults, with a warning when its workspace is built.
+    pf.check_job(_cached(tmp_path / "missing.json"), world_size=1)
+
+
+def _run_train(cwd: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """run_train.sh with a stand-in python3 that records the launch instead of training
-    (its config-file check runs in the real Python)."""
+    (its preflight runs in the real Python)."""
     stub = tmp_path / "bin" / "python3"
     stub.parent.mkdir(exist_ok=True)
-    # "-c": run_train.sh's CUDA probe (answer: no GPU); preflight.py: its config check, for real;
+    # "-c": run_train.sh's CUDA probe (answer: no GPU); preflight.py: its checks, for real;
     # anything else: the torchrun launch.
     stub.write_text(f'#!/bin/sh\ncase "$1" in -c) exit 1;; */preflight.py) exec {sys.executable} "$@";; esac\n'
                     'printf "%s\\n" "$@" > "$LAUNCH_ARGS"\n')
     stub.chmod(0o755)
     environ = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")}
     environ.update(PATH=f"{stub.parent}{os.pathsep}{environ['PATH']}", LAUNCH_ARGS=str(tmp_path / "args"), **env)
-    return subprocess.run([str(REPO / "run_train.sh"), "--training.steps", "3"], cwd=cwd, env=environ,
+    return subprocess.run([str(REPO / "run_train.sh"), "--training.steps", "3", *args], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=60)
 
 
 def test_run_train_rejects_a_missing_config_file_at_once(tmp_path):
     proc = _run_train(tmp_path, tmp_path, CONFIG_FILE="train_configs/nope.toml")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "CONFIG_FILE=train_configs/nope.toml is not a file" in proc.stderr
+    assert f"CONFIG_FILE=train_configs/nope.toml is not a file (looked in {tmp_path} and {REPO});" in proc.stderr
     assert not (tmp_path / "args").exists(), "torchrun was launched"
+
+
+def test_run_train_names_the_checkout_once_when_run_from_it(tmp_path):
+    proc = _run_train(REPO, tmp_path, CONFIG_FILE="train_configs/nope.toml")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"is not a file (looked in {REPO});" in proc.stderr, proc.stderr
 
 
 def test_run_train_rejects_a_toml_syntax_error_at_once(tmp_path):
@@ -153,12 +270,63 @@ def test_run_train_rejects_a_toml_syntax_error_at_once(tmp_path):
     assert not (tmp_path / "args").exists(), "torchrun was launched"
 
 
+def test_run_train_with_a_wrong_ngpu_fails_within_a_second_with_the_message_last(tmp_path):
+    # Before: the worker found it about 12 s after torchrun started, followed by ~40 lines of torchrun.
+    start = time.monotonic()
+    proc = _run_train(tmp_path, tmp_path, NGPU="1", CONFIG_FILE=str(UNIEP_CONFIG))
+    seconds = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert not (tmp_path / "args").exists(), "torchrun was launched"
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("run_train.sh: NGPU (WORLD_SIZE) = 1 does not fit the [parallelism] degrees "
+                               "(expert_parallel_degree = 2, the others at their defaults)"), proc.stderr
+    assert lines[-1] == "Launch with NGPU = 2 or a multiple of it, or change the [parallelism] degrees.", proc.stderr
+    assert seconds < 1.0, f"run_train.sh took {seconds:.2f} s to refuse NGPU=1"
+
+
+def test_run_train_rejects_a_misspelt_uniep_override_before_torchrun(tmp_path):
+    proc = _run_train(tmp_path, tmp_path, "--uniep.shedule", "fused", NGPU="2", CONFIG_FILE=str(UNIEP_CONFIG))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("run_train.sh: --uniep.shedule is not a key of [uniep]; did you mean "
+                                  "--uniep.schedule?"), proc.stderr
+    assert not (tmp_path / "args").exists(), "torchrun was launched"
+
+
 @pytest.mark.parametrize("config", ["train_configs/deepseek_v3_debug_uniep.toml", str(UNIEP_CONFIG)])
 def test_run_train_finds_the_config_from_another_directory(tmp_path, config):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = _run_train(elsewhere, tmp_path, NGPU="1", CONFIG_FILE=config)
+    proc = _run_train(elsewhere, tmp_path, NGPU="2", CONFIG_FILE=config)
     assert proc.returncode == 0, proc.stderr[-2000:]
     args = (tmp_path / "args").read_text().splitlines()
     assert args[args.index("--job.config_file") + 1] == str(UNIEP_CONFIG), args
-    assert "--nproc_per_node=1" in args and args[-2:] == ["--training.steps", "3"], args
+    assert "--nproc_per_node=2" in args and args[-2:] == ["--training.steps", "3"], args
+
+
+def test_run_train_keeps_torchruns_logs_in_the_dump_folder(tmp_path):
+    # Not a /tmp/torchelastic_* folder per run: torchrun's default without --log-dir.
+    proc = _run_train(tmp_path, tmp_path, "--job.dump_folder", "out/x", NGPU="2", CONFIG_FILE=str(UNIEP_CONFIG))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[0].endswith("titan_uniep/torchrun.py") and args[args.index("--log-dir") + 1] == "out/x/logs", args
+
+
+@pytest.mark.slow
+def test_a_workers_start_up_error_is_the_last_thing_printed_without_torchruns_traceback(tmp_path):
+    # A foreign tuning cache is found by the worker's preflight (after TorchTitan's import), not before torchrun.
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text("[1, 2]")
+    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")}
+    env.update(NGPU="1", CONFIG_FILE=str(EP1_UNIEP_CONFIG), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([str(REPO / "run_train.sh"), *_cached(foreign)[2:], "--job.dump_folder", str(tmp_path / "run")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[-2:] == ["rank 0 failed first (exit code 1):",
+                          f"[uniep] tuning_cache: tuning cache {foreign} is not a 'titan_uniep tuning cache' file "
+                          "(no matching 'format' field). Set [uniep] tuning_cache to a file written by "
+                          "`python -m titan_uniep.tune` (or to a path that does not exist yet), or tuning = \"off\"."
+                          ], proc.stderr
+    assert lines[-3] == f"every rank's output: {tmp_path / 'run' / 'logs'}", proc.stderr
+    assert list((tmp_path / "run" / "logs").glob("*/attempt_0/0/stderr.log")), "no rank log"

@@ -60,8 +60,7 @@ REFERENCE_RUN = """
 import os, sys
 import torch
 import torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
 from titan_uniep.schedules import Routing, get_schedule
 torch.manual_seed(0)
 x = torch.randn(6, 8)
@@ -75,11 +74,11 @@ dist.destroy_process_group()
 """
 
 
-def test_reference_schedule_loads_no_kernels():
+def test_reference_schedule_loads_no_kernels(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")])
-    port = str(29600 + os.getpid() % 300)
-    proc = subprocess.run([sys.executable, "-c", REFERENCE_RUN, port], env=env, capture_output=True, text=True,
-                          timeout=300)
+    # A file store, not a port: parallel test workers and other jobs on the machine cannot collide.
+    proc = subprocess.run([sys.executable, "-c", REFERENCE_RUN, str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED [] TRITON_INTERPRET None" in proc.stdout, proc.stdout[-2000:]

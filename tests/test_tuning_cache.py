@@ -168,13 +168,31 @@ def test_cached_policy_warns_once_per_missing_shape(caplog):
     assert off.params_for(KEY, "forward") is None and not caplog.records
 
 
-def test_cached_mode_needs_a_readable_cache_file(tmp_path):
-    with pytest.raises(ValueError, match=r"\[uniep\] tuning = \"cached\", but the tuning cache .*missing\.json has no "
-                                         r"entries.*python -m titan_uniep\.tune --config"):
-        selection.TuningPolicy.from_config("cached", str(tmp_path / "missing.json"))
+def test_missing_cache_file_runs_the_defaults_with_one_warning_per_shape(tmp_path, caplog):
+    policy = selection.TuningPolicy.from_config("cached", str(tmp_path / "missing.json"))
+    assert policy.entries == []
+    other_shape = dataclasses.replace(KEY, dim=4096)
+    with caplog.at_level(logging.WARNING, logger="titan_uniep.tuning.selection"):
+        for key in (KEY, other_shape, KEY):
+            for direction in ("forward", "backward"):
+                assert policy.params_for(key, direction) is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    for message, key in zip(warned, (KEY, other_shape)):
+        assert f"no tuned entry for {key.describe()}: the tuning cache does not exist" in message, message
+        assert "missing.json" in message and message.endswith("using the default parameters"), message
+
+
+def test_unreadable_or_foreign_cache_file_is_an_error_naming_the_key(tmp_path):
+    fix = r"\. Set \[uniep\] tuning_cache to a file written by `python -m titan_uniep\.tune`"
     (tmp_path / "broken.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"\[uniep\] tuning_cache: tuning cache .*broken\.json is not JSON"):
+    with pytest.raises(ValueError, match=r"\[uniep\] tuning_cache: tuning cache .*broken\.json is not JSON.*" + fix):
         selection.TuningPolicy.from_config("search", str(tmp_path / "broken.json"))
+    (tmp_path / "foreign.json").write_text('{"format": "another tool", "entries": []}')
+    with pytest.raises(ValueError, match=r"foreign\.json is not a 'titan_uniep tuning cache' file.*" + fix):
+        selection.TuningPolicy.from_config("cached", str(tmp_path / "foreign.json"))
+    with pytest.raises(ValueError, match=r"tuning cache .* cannot be read \(Is a directory\)" + fix):
+        selection.TuningPolicy.from_config("cached", str(tmp_path))
     save(tmp_path / "ok.json", [_entry()])
     assert selection.TuningPolicy.from_config("cached", str(tmp_path / "ok.json")).entries == [_entry()]
     assert selection.TuningPolicy.from_config("search", str(tmp_path / "new.json")).entries == []

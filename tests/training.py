@@ -8,6 +8,7 @@ instead of orphaned workers training on and slowing what follows.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -67,15 +68,19 @@ class TrainRun:
         return load_run(self.dump_folder).losses
 
     def failures(self) -> dict[int, str]:
-        """torchrun's failure summary, by rank: each failed rank's exit code and the
-        traceback it wrote to its error file before exiting (present even when
-        torchrun stopped it afterwards)."""
-        blocks = {}
-        for block in self.output.split("  rank      : ")[1:]:
-            rank, _, rest = block.partition(" ")
-            if rank.isdigit():
-                blocks[int(rank)] = rest.split("\n[", 1)[0].split("\n----", 1)[0]
-        return blocks
+        """The launcher's failure report (``titan_uniep.torchrun``), by rank: each failed
+        rank's exit status (``exit code N`` or ``signal SIGTERM``) and what it recorded
+        before exiting (present even when torchrun stopped it afterwards): the first
+        rank's error in full, the others' first line or ``the same error``."""
+        report = {}
+        lines = self.output.splitlines()
+        for i, line in enumerate(lines):
+            found = re.fullmatch(r"rank (\d+) failed (too|first) \(([^)]*)\)(.*)", line)
+            if found:
+                rank, order, status, rest = found.groups()
+                said = "\n".join(lines[i + 1:]) if order == "first" else rest.removeprefix(": ")
+                report[int(rank)] = f"{status}: {said}" if said else status
+        return report
 
     def rank_lines(self, rank: int) -> list[str]:
         """Lines that rank printed (torchrun prefixes each with ``[rank<R>]:``)."""

@@ -1,11 +1,11 @@
 """Forward benchmark of one MoE layer's routed-expert path on an EP group.
 
-    torchrun --nproc_per_node 2 -m titan_uniep.bench --shapes qwen3,deepseek,mixtral --routing balanced --check
-    torchrun --nproc_per_node 1 -m titan_uniep.bench --shapes qwen3_1gpu,odd_dim --report out/report
+    torchrun --nproc_per_node 2 -m titan_uniep.bench --shape qwen3 --shape deepseek --shape mixtral --check
+    torchrun --nproc_per_node 1 -m titan_uniep.bench --shape qwen3_1gpu --shape 8192,2880,1440,64,4 --report out/r
 
-For each shape (``T`` tokens per rank, dim ``D``, expert hidden ``H``, ``E``
-experts, top-``K``; names in ``titan_uniep.shapes`` or ``T,D,H,E,K``), on the
-same inputs and routing:
+For each ``--shape`` (``T`` tokens per rank, dim ``D``, expert hidden ``H``,
+``E`` experts, top-``K``: a name of ``titan_uniep.shapes`` or ``T,D,H,E,K``;
+default qwen3), on the same inputs and routing:
 
 - ``titan_ep``: TorchTitan 0.2.2 standard EP -- ``MoE.forward`` after the
   router (TokenReorderer, gather, experts, unsort, combine) with
@@ -56,10 +56,10 @@ from .layout import compute_layout, count_per_expert, token_destinations
 from .oracle import float64_moe_oracle
 from .params import apply_overrides, default_params
 from .runtime import Workspace, exchange_bytes, moe_forward
-from .shapes import SHAPES, parse_shape
+from .shapes import add_shape_argument
 from .timing import time_alternating, time_ms
 
-__all__ = ["SHAPES", "bench_shape", "check", "main"]
+__all__ = ["bench_shape", "build_parser", "check", "main"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -338,23 +338,10 @@ def forward_stats(sequential: torch.Tensor, fused: torch.Tensor, titan: torch.Te
     return stats
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--backward" in argv:
-        # Forward + backward side by side lives in its own module.
-        from titan_uniep.bench_backward import main as backward_main
-
-        argv.remove("--backward")
-        return backward_main(argv)
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backward", action="store_true", help="forward + backward (titan_uniep.bench_backward)")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--shapes", type=str, default="",
-                        help=f"comma list of {', '.join(SHAPES)} or T,D,H,E,K (overrides the sizes)")
+    add_shape_argument(parser, default=("qwen3",))
     parser.add_argument("--routing", choices=("balanced", "skewed", "zipf"), default="balanced")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     parser.add_argument("--score-before", action="store_true", help="scores multiply the expert inputs")
@@ -377,7 +364,18 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--graph", action="store_true", help="also time CUDA-graph replays of the UniEP forward")
     parser.add_argument("--json-out", type=str, default="", help="also append the JSON lines to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--backward" in argv:
+        # Forward + backward side by side lives in its own module.
+        from titan_uniep.bench_backward import main as backward_main
+
+        argv.remove("--backward")
+        return backward_main(argv)
+    args = build_parser().parse_args(argv)
     if args.tuned_cache is None:
         from .tuning.cache import default_cache_path
 
@@ -391,10 +389,7 @@ def main(argv=None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
-    if args.shapes:
-        shapes = dict(parse_shape(text) for text in args.shapes.split(","))
-    else:
-        shapes = {"custom": (args.tokens, args.dim, args.hidden, args.experts, args.topk)}
+    shapes = dict(args.shapes)
     args.shape_names = list(shapes)
     records = []
     for name, shape in shapes.items():

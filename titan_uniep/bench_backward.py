@@ -1,10 +1,10 @@
 """Forward + backward benchmark of one MoE layer's routed-expert path on an EP group.
 
-    torchrun --nproc_per_node 2 -m titan_uniep.bench_backward --shapes qwen3,deepseek --check
+    torchrun --nproc_per_node 2 -m titan_uniep.bench_backward --shape qwen3 --shape deepseek --check
 
-For each shape (``T`` tokens per rank, ``D``, ``H``, ``E``, ``K``; names in
-``titan_uniep.shapes``), same inputs and routing (random router-like
-scores, balanced):
+For each ``--shape`` (``T`` tokens per rank, ``D``, ``H``, ``E``, ``K``: a name
+of ``titan_uniep.shapes`` or ``T,D,H,E,K``; default qwen3 and deepseek), same
+inputs and routing (random router-like scores, balanced):
 
 - ``titan_ep``: TorchTitan 0.2.2 standard EP (``ExpertParallel`` on
   ``GroupedExperts``, the MoE.forward lines after the router) under autograd:
@@ -54,7 +54,7 @@ from .accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
 from .layout import compute_layout, count_per_expert
 from .oracle import float64_moe_backward_oracle
 from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
-from .shapes import SHAPES, layer_inputs, parse_shape
+from .shapes import add_shape_argument, layer_inputs
 from .timing import time_alternating
 
 GRAD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
@@ -324,10 +324,9 @@ def profile_backward(call, rank: int, name: str) -> None:
                 print(f"PROFILE   {e.time_range.elapsed_us() / 1e3:8.3f} ms  {e.name[:90]}", flush=True)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="qwen3,deepseek", help=f"comma list of {', '.join(SHAPES)} or T,D,H,E,K")
-    parser.add_argument("--tokens", type=int, default=0, help="tokens per rank instead of the shapes' own")
+    add_shape_argument(parser, default=("qwen3", "deepseek"))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of alternating path order")
@@ -343,7 +342,11 @@ def main(argv=None) -> None:
                         help="tuning cache whose entries to time as uniep_tuned (default: the cache's default path)")
     parser.add_argument("--report", default=None, metavar="DIR", help="write backward.md and PNG plots into DIR")
     parser.add_argument("--constants", default="", help="the tuning model's hardware constants (report)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.tuned_cache is None:
         from .tuning.cache import default_cache_path
 
@@ -357,10 +360,7 @@ def main(argv=None) -> None:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
     group = dist.group.WORLD
     results = []
-    for text in args.shapes.split(","):
-        name, shape = parse_shape(text)
-        if args.tokens:
-            shape = (args.tokens, *shape[1:])
+    for name, shape in args.shapes:
         res = bench_shape(name, shape, args, group, mesh, dev)
         results.append(res)
         torch.cuda.empty_cache()

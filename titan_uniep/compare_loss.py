@@ -1,6 +1,6 @@
 """Compare the loss curves of two training runs, step by step.
 
-    python -m titan_uniep.compare_loss RUN_A RUN_B [--assert-bitwise]
+    python3 -m titan_uniep.compare_loss RUN_A RUN_B [--assert-bitwise]
         [--rtol X] [--atol X] [--max-step N] [--plot out.png] [--labels A B]
 
 A run is a dump folder (its ``loss.jsonl``, written by ``titan_uniep.train``:
@@ -9,8 +9,10 @@ exact float losses) or a file: a ``loss.jsonl`` or a TorchTitan log, whose
 "equal to 5 decimals" can be claimed, never bitwise equality.
 
 Prints a per-step table, the largest absolute and relative differences and a
-verdict, and writes a plot of both curves and their difference (default:
-``loss_compare.png`` next to RUN_B). Exit status: 0 when the runs agree as
+verdict, and writes a plot of both curves and their difference with the
+verdict in its title (default: ``loss_<A>_vs_<B>.png`` in RUN_B's folder,
+A and B the runs' folder names or ``--labels``; ``--plot``/``--out`` names
+another file). Exit status: 0 when the runs agree as
 asked, 1 when they differ beyond ``--assert-bitwise`` / ``--rtol`` /
 ``--atol``, 2 when they cannot be compared (no losses, different steps, or
 ``--assert-bitwise`` on a log). ``--max-step N`` compares steps 1..N only
@@ -32,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOSS_FILE = "loss.jsonl"
-PLOT_FILE = "loss_compare.png"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Training lines only: "validate step: N  loss: X" (metrics.py:505) is another curve.
@@ -147,7 +148,7 @@ def format_table(a: Run, b: Run, steps: list[int], labels: tuple[str, str]) -> s
     return "\n".join(rows)
 
 
-def plot(a: Run, b: Run, steps: list[int], labels: tuple[str, str], out: Path) -> None:
+def plot(a: Run, b: Run, steps: list[int], labels: tuple[str, str], out: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on training machines
@@ -160,6 +161,8 @@ def plot(a: Run, b: Run, steps: list[int], labels: tuple[str, str], out: Path) -
     top.set_ylabel("loss")
     top.legend()
     top.grid(alpha=0.3)
+    if title:
+        top.set_title(title, fontsize=10)
     bottom.plot(steps, [b.losses[s] - a.losses[s] for s in steps], color="tab:red")
     bottom.axhline(0.0, color="black", linewidth=0.5)
     bottom.set_xlabel("step")
@@ -171,14 +174,25 @@ def plot(a: Run, b: Run, steps: list[int], labels: tuple[str, str], out: Path) -
     plt.close(fig)
 
 
-def _default_plot_path(run_b: str) -> Path:
+def _label(path: str) -> str:
+    """A run's name: its dump folder's (also for its loss.jsonl), else the log file's stem."""
+    path = Path(path)
+    if path.is_dir() or path.name == LOSS_FILE:
+        return (path if path.is_dir() else path.parent).resolve().name or "run"
+    return path.stem
+
+
+def default_plot_path(run_b: str, labels: tuple[str, str]) -> Path:
+    """``loss_<A>_vs_<B>.png`` in RUN_B's dump folder (next to it if it is a file):
+    named after both runs, so comparing RUN_B with another run writes another file."""
+    name = "loss_{}_vs_{}.png".format(*(re.sub(r"[^\w.-]+", "_", label) for label in labels))
     path = Path(run_b)
-    return path / PLOT_FILE if path.is_dir() else path.with_name(f"{path.stem}_{PLOT_FILE}")
+    return path / name if path.is_dir() else path.with_name(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m titan_uniep.compare_loss", description=__doc__.split("\n\n")[0],
+        prog="python3 -m titan_uniep.compare_loss", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_a", help="reference run: dump folder, loss.jsonl or TorchTitan log")
@@ -186,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assert-bitwise", action="store_true", help="exit 1 unless every common step has the same float")
     parser.add_argument("--rtol", type=float, help="exit 1 unless |b - a| <= atol + rtol * |a| on every step")
     parser.add_argument("--atol", type=float, help="absolute part of that bound (default 0)")
-    parser.add_argument("--plot", type=Path, help=f"PNG to write (default: {PLOT_FILE} next to RUN_B)")
-    parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names for the two runs")
+    parser.add_argument("--plot", "--out", dest="plot", type=Path,
+                        help="PNG to write (default: loss_<A>_vs_<B>.png in RUN_B's folder)")
+    parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names for the two runs (default: their folders)")
     parser.add_argument("--max-step", type=int, help="compare steps up to this one only")
     args = parser.parse_args(argv)
 
@@ -199,46 +214,50 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_step is not None:
         for run in (a, b):
             run.losses = {step: loss for step, loss in run.losses.items() if step <= args.max_step}
-    labels = tuple(args.labels) if args.labels else (Path(args.run_a).name or "A", Path(args.run_b).name or "B")
+    labels = tuple(args.labels) if args.labels else (_label(args.run_a), _label(args.run_b))
     result = compare(a, b)
-
-    if result.steps:
-        print(format_table(a, b, result.steps, labels))
-        print(f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e}, "
-              f"mean rel diff {result.mean_rel:.3e} over {len(result.steps)} steps")
-        if result.nan_steps:
-            print(f"NaN loss at steps {result.nan_steps}: a NaN equals nothing, not even another NaN")
-        out = args.plot or _default_plot_path(args.run_b)
-        plot(a, b, result.steps, labels, out)
-        print(f"plot: {out}")
-
-    status = 0
     if not result.steps:
         print(f"error: no common steps ({a.source}: {len(a.losses)} losses, {b.source}: {len(b.losses)})", file=sys.stderr)
         return 2
+
+    print(format_table(a, b, result.steps, labels))
+    spread = (f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e}, "
+              f"mean rel diff {result.mean_rel:.3e}")
+    print(f"{spread} over {len(result.steps)} steps")
+    if result.nan_steps:
+        print(f"NaN loss at steps {result.nan_steps}: a NaN equals nothing, not even another NaN")
+
+    status, verdicts = 0, []
     if result.only_a or result.only_b:
         print(f"error: different steps: only in {labels[0]}: {result.only_a}, only in {labels[1]}: {result.only_b}; "
               "no verdict (--max-step N compares steps 1..N of both)", file=sys.stderr)
-        return 2
-
-    if result.exact:
-        print("verdict: bitwise equal" if result.bitwise else "verdict: NOT bitwise equal")
+        status, verdicts = 2, ["no verdict: different steps"]
     else:
-        print(f"verdict: {'equal' if result.bitwise else 'NOT equal'} to 5 decimals "
-              "(a log carries 5 decimals: bitwise equality needs loss.jsonl from both runs)")
+        if result.exact:
+            verdicts.append("bitwise equal" if result.bitwise else "NOT bitwise equal")
+            print(f"verdict: {verdicts[-1]}")
+        else:
+            verdicts.append(f"{'equal' if result.bitwise else 'NOT equal'} to 5 decimals")
+            print(f"verdict: {verdicts[-1]} (a log carries 5 decimals: bitwise equality needs loss.jsonl from both runs)")
+        if args.assert_bitwise:
+            if not result.exact:
+                print("error: --assert-bitwise needs exact losses; pass dump folders (loss.jsonl), not logs",
+                      file=sys.stderr)
+                status = 2
+            elif not result.bitwise:
+                status = 1
+        if status != 2 and (args.rtol is not None or args.atol is not None):
+            rtol, atol = args.rtol or 0.0, args.atol or 0.0
+            ok = within(a, b, result.steps, rtol, atol)
+            verdicts.append(f"rtol={rtol:g} atol={atol:g}: {'within' if ok else 'EXCEEDED'}")
+            print(f"tolerance {verdicts[-1]}")
+            if not ok:
+                status = max(status, 1)
 
-    if args.assert_bitwise:
-        if not result.exact:
-            print("error: --assert-bitwise needs exact losses; pass dump folders (loss.jsonl), not logs", file=sys.stderr)
-            return 2
-        if not result.bitwise:
-            status = max(status, 1)
-    if args.rtol is not None or args.atol is not None:
-        rtol, atol = args.rtol or 0.0, args.atol or 0.0
-        ok = within(a, b, result.steps, rtol, atol)
-        print(f"tolerance rtol={rtol:g} atol={atol:g}: {'within' if ok else 'EXCEEDED'}")
-        if not ok:
-            status = max(status, 1)
+    out = args.plot or default_plot_path(args.run_b, labels)
+    title = f"{labels[0]} vs {labels[1]}: {'; '.join(verdicts)}\n{spread} over {len(result.steps)} steps"
+    plot(a, b, result.steps, labels, out, title)
+    print(f"plot: {out}")
     return status
 
 

@@ -14,6 +14,7 @@ import functools
 import os
 import platform
 import resource
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -142,8 +143,32 @@ def apply_cpu_shims() -> bool:
         _histc_integer_on_cpu()
         _permute_indices_on_cpu()
         _fsdp_sum_only_reductions()
+        _quiet_gpu_only_warnings()
         _applied = True
     return True
+
+
+CPU_ARGS = ["--comm.trace_buf_size", "0"]
+"""TorchTitan overrides of every CPU run, ahead of the user's (which still win).
+``trace_buf_size = 0``: TorchTitan's flight recorder dumps NCCL's collective traces
+on a timeout into ``<dump_folder>/comm_traces`` (distributed/utils.py:350), a folder
+it creates at start-up; over gloo it stays empty."""
+
+
+def _quiet_gpu_only_warnings() -> None:
+    # Each line below said something only about running without a GPU, the point of these shims:
+    # torch warns that DTensor's RNG on a CPU mesh "may not have complete support" (seeded CPU
+    # runs reproduce their bits: tests/test_train_cpu.py), and TorchTitan's MFU looks for an
+    # H100 with lspci (tools/utils.py:79) and then falls back to an A100's peak with a warning
+    # (:143), twice per run. The A100 figure stays, so MFU on CPU reads as before.
+    from torchtitan.tools import utils
+
+    warnings.filterwarnings("ignore", r"DTensor (random operators|manual_seed\(\)) may not have complete support "
+                                      "on cpu device mesh", UserWarning)
+    utils.get_peak_flops = lambda device_name: _A100_PEAK_FLOPS
+
+
+_A100_PEAK_FLOPS = 312e12  # TorchTitan's fallback for a device it does not know (tools/utils.py:143)
 
 
 def cpu_has_native_bf16() -> bool:

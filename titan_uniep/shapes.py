@@ -11,9 +11,11 @@ tuner is held to (``scripts/tune_h200.sh``).
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-__all__ = ["SHAPES", "TUNING_SHAPES", "layer_inputs", "parse_shape"]
+__all__ = ["SHAPES", "TUNING_SHAPES", "add_shape_argument", "layer_inputs", "parse_shape"]
 
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "qwen3": (8192, 2048, 768, 128, 8),
@@ -41,6 +43,36 @@ def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
     if len(values) != 5 or min(values) < 1:
         raise ValueError(f"shape {text!r}: expected one of {', '.join(SHAPES)} or T,D,H,E,K (five positive integers)")
     return "x".join(parts), values
+
+
+SHAPE_HELP = (f"a layer shape: one of {', '.join(SHAPES)} (titan_uniep.shapes), or T,D,H,E,K (T tokens per rank, "
+              "dim D, expert hidden H, E experts, top-K); repeatable")
+
+
+def _shape_argument(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
+    try:
+        return parse_shape(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+class _AppendShape(argparse.Action):
+    """Append like ``action="append"``, except that the first ``--shape`` replaces the
+    default shapes instead of adding to them."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*([] if given is self.default else given), value])
+
+
+def add_shape_argument(parser: argparse.ArgumentParser, default: tuple[str, ...] = (), **kwargs) -> None:
+    """``--shape NAME|T,D,H,E,K``, repeatable: the one shape option of every tool. Each
+    value is parsed by ``parse_shape`` into ``args.shapes``, a list of
+    ``(name, (T, D, H, E, K))``; without any ``--shape`` it holds ``default``'s shapes."""
+    suffix = f" (default: {' '.join(default)})" if default else ""
+    parser.add_argument("--shape", dest="shapes", action=_AppendShape, type=_shape_argument,
+                        default=[parse_shape(name) for name in default], metavar="NAME|T,D,H,E,K",
+                        help=SHAPE_HELP + suffix, **kwargs)
 
 
 def layer_inputs(shape, rank: int, world: int, dev, dtype=torch.bfloat16) -> dict:

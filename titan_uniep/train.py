@@ -31,6 +31,7 @@ Training itself is ``torchtitan.train.main`` unchanged; this adds:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -41,8 +42,9 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
-from titan_uniep.cpu import apply_cpu_shims, fp32_compute_args
-from titan_uniep.preflight import preflight
+from titan_uniep.cpu import CPU_ARGS, apply_cpu_shims, fp32_compute_args
+from titan_uniep.torchrun import exit_with_error
+from titan_uniep.preflight import check_job, path_overrides
 
 LOSS_FILE = "loss.jsonl"
 
@@ -157,28 +159,41 @@ def _memory() -> dict:
     return {"mem_allocated": torch.cuda.memory_allocated(), "mem_peak": torch.cuda.max_memory_allocated()}
 
 
+def _drop_standard_moe_lines(record: logging.LogRecord) -> bool:
+    # TorchTitan's build_moe logs "Standard MoE: ..." for every MoE block it builds; with
+    # [uniep] enable the parallelize hook swaps each for UniEP's and logs that instead.
+    return not str(record.msg).startswith("Standard MoE:")
+
+
 def main() -> None:
     # Everything a run reads is local (bundled corpus and tokenizer); fail
     # instead of waiting on a network that training machines do not have.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    try:  # before TorchTitan builds anything: config file, NGPU vs the degrees, [uniep]
-        paths = preflight(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    try:  # before TorchTitan builds anything: config file, keys, NGPU vs the degrees, [uniep]
+        job_config = check_job(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as err:
-        sys.exit(f"error: {err}")
-    ConfigManager.parse_args.__defaults__[0].extend(paths)  # the same paths resolved (see below), so last
+        exit_with_error(str(err))
+    ConfigManager.parse_args.__defaults__[0].extend(path_overrides(job_config))  # resolved paths (see below), last
+    if getattr(job_config, "uniep", None) is not None and job_config.uniep.enable:
+        logging.getLogger().addFilter(_drop_standard_moe_lines)
     if apply_cpu_shims():
-        overrides = fp32_compute_args()
-        if overrides:
-            # TorchTitan 0.2.2's ConfigManager.parse_args(args=sys.argv[1:]) binds
-            # its default when torchtitan is imported, so a change to sys.argv now
-            # would not reach it: the overrides go into that default list itself,
-            # ahead of the user's arguments (which still win).
-            ConfigManager.parse_args.__defaults__[0][0:0] = overrides
+        fp32 = fp32_compute_args()
+        # TorchTitan 0.2.2's ConfigManager.parse_args(args=sys.argv[1:]) binds
+        # its default when torchtitan is imported, so a change to sys.argv now
+        # would not reach it: the overrides go into that default list itself,
+        # ahead of the user's arguments (which still win).
+        ConfigManager.parse_args.__defaults__[0][0:0] = CPU_ARGS + fp32
+        if fp32:
             init_logger()  # torchtitan's main sets it up the same way again
             logger.info("UniEP: this CPU has no native bf16, so training computes in fp32 "
-                        "(%s; add --training.mixed_precision_param bfloat16 to keep bf16)", " ".join(overrides))
-    torchtitan_main(LossRecordingTrainer)
+                        "(%s; add --training.mixed_precision_param bfloat16 to keep bf16)", " ".join(fp32))
+    try:
+        torchtitan_main(LossRecordingTrainer)
+    except ValueError as err:
+        # TorchTitan's and UniEP's configuration errors (validation raises ValueError with
+        # the fix); TorchTitan's @record kept the traceback in the error file.
+        exit_with_error(f"{type(err).__name__}: {err}")
     if not torch.cuda.is_available():
         # Training finished and the process group is gone; skip the C++ static
         # destructors, where gloo has aborted (SIGABRT) after a complete run.

@@ -64,11 +64,12 @@ import torch.distributed as dist
 
 from .params import LayerParams, default_params
 from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
-from .shapes import layer_inputs, parse_shape
+from .shapes import add_shape_argument, layer_inputs
 from .timing import time_alternating
 from .tuning.cache import CacheEntry, CacheKey, default_cache_path, dtype_name, save
 
-__all__ = ["MoELayer", "SearchOptions", "config_layers", "main", "predictions", "routing_stats", "search_layer"]
+__all__ = ["MoELayer", "SearchOptions", "build_parser", "config_layers", "main", "predictions", "routing_stats",
+           "search_layer"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which stages of tuning.space.FIELDS each direction's kernels read.
@@ -586,7 +587,7 @@ def _progress(total: int, name: str, show: bool):
         return _NoBar()
     try:
         from tqdm import tqdm
-    except ImportError:  # datasets (TorchTitan's dependency) brings it; a bare environment may not have it
+    except ImportError:  # a dependency of titan_uniep, but an install with --no-deps may lack it
         print(f"tuning {name}: {total} measurements (install tqdm for a progress bar)", flush=True)
         return _NoBar()
     return tqdm(total=total, desc=f"tune {name}", unit="run", file=sys.stderr, dynamic_ncols=True)
@@ -659,10 +660,9 @@ def print_result(res: SearchResult) -> None:
         print(f"entry: forward {res.entry.forward or 'default'}, backward {res.entry.backward or 'default'}", flush=True)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", default=[],
-                        help="a titan_uniep.shapes name or T,D,H,E,K (T tokens per rank); repeatable")
+    add_shape_argument(parser)
     parser.add_argument("--config", default=None, help="tune every MoE shape of this train config (TOML)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="with --shape (default bf16)")
     parser.add_argument("--score-before", action="store_true", help="with --shape: scores multiply the inputs")
@@ -685,8 +685,13 @@ def main(argv=None) -> None:
     parser.add_argument("--cache", default=None, help=f"the cache file to merge into (default {default_cache_path()})")
     parser.add_argument("--json-out", default=None, help="append one JSON line per shape")
     parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if bool(args.shape) == bool(args.config):
+    if bool(args.shapes) == bool(args.config):
         parser.error("give --shape (one or more) or --config, not both")
     if args.top < 0 or args.rounds < 1 or args.confirm_rounds < 1 or args.reps < 1 or not 0 <= args.min_gain < 1:
         parser.error("--top >= 0, --rounds >= 1, --confirm-rounds >= 1, --reps >= 1 and 0 <= --min-gain < 1")
@@ -700,7 +705,7 @@ def main(argv=None) -> None:
                          "--config ...")
     else:
         dtype = DTYPES[args.dtype or "bf16"]
-        layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in map(parse_shape, args.shape)]
+        layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in args.shapes]
     options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
                             rounds=args.rounds, confirm_rounds=args.confirm_rounds, min_gain=args.min_gain,
                             neighbours=not args.no_neighbours, schedule=args.schedule, constants=args.constants,

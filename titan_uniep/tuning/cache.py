@@ -199,6 +199,8 @@ def load(path: str | os.PathLike) -> list[CacheEntry]:
         return []
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:  # a folder, no read permission, ...
+        raise ValueError(f"tuning cache {path} cannot be read ({err.strerror or err})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"tuning cache {path} is not JSON ({err}); delete it or point to another file") from None
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:

@@ -3,8 +3,10 @@
 - ``"off"``: the shipped defaults (``params.default_params``).
 - ``"cached"``: the tuned entry of the layer's key in the cache file
   (``tuning.cache``); without one, the default, with one warning per layer
-  shape saying why (no entry, or an entry of another GPU / EP size / kernel
-  version, named).
+  shape saying why (no cache file, no entry, or an entry of another GPU / EP
+  size / kernel version, named). A file that cannot be read or is not a
+  tuning cache is an error at start-up (``titan_uniep.preflight``), before
+  the model is built.
 - ``"search"``: at start-up, the measured search (``titan_uniep.tune``) of
   every MoE shape of the run, on the EP group, merged into the cache file
   (by global rank 0); then as ``"cached"``. GPU only.
@@ -23,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -52,8 +55,9 @@ class TuningPolicy:
     @classmethod
     def from_config(cls, mode: str, cache_path: str = "") -> "TuningPolicy":
         """``cache_path`` empty: ``cache.default_cache_path()``. Reads the file
-        for ``"cached"`` (ValueError naming ``[uniep] tuning_cache`` if it is
-        missing or not a cache) and for ``"search"`` (if it exists)."""
+        for ``"cached"`` and ``"search"``: a missing file has no entries (every
+        shape runs the default, with a warning); a file that cannot be read or
+        is not a tuning cache raises ValueError naming ``[uniep] tuning_cache``."""
         if mode not in TUNING_MODES:
             raise ValueError(f"[uniep] tuning = {mode!r}: use one of {', '.join(map(repr, TUNING_MODES))}")
         path = cache_path or default_cache_path()
@@ -63,13 +67,10 @@ class TuningPolicy:
         try:
             policy.entries = load(path)
         except ValueError as err:
-            raise ValueError(f"[uniep] tuning_cache: {err}") from None
-        if mode == "cached" and not policy.entries:
             raise ValueError(
-                f"[uniep] tuning = \"cached\", but the tuning cache {path} has no entries (or does not exist). "
-                "Create it with `python -m titan_uniep.tune --config <this config>` (torchrun over the EP size), "
-                "set [uniep] tuning_cache to the file it wrote, or use tuning = \"search\" or \"off\"."
-            )
+                f"[uniep] tuning_cache: {err}. Set [uniep] tuning_cache to a file written by "
+                "`python -m titan_uniep.tune` (or to a path that does not exist yet), or tuning = \"off\"."
+            ) from None
         return policy
 
     def params_for(self, key: CacheKey, direction: str) -> LayerParams | None:
@@ -80,6 +81,9 @@ class TuningPolicy:
         shape_key = dataclasses.replace(key, kernel_version="")
         if params is None and shape_key not in self.warned:
             self.warned.add(shape_key)
+            if not self.entries and not os.path.exists(self.cache_path):
+                reason = (f"no tuned entry for {key.describe()}: the tuning cache does not exist (write it with "
+                          "`python -m titan_uniep.tune --config <this config>`, torchrun over the EP size)")
             logger.warning("UniEP tuning (%s, %s): %s; using the default parameters", self.mode, self.cache_path,
                            reason)
         elif params is not None:

@@ -1,0 +1,26 @@
+"""The README keeps its promises about the repository: every train config pair is in its
+table, and its commands call python3 (a machine may have no ``python``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def test_config_table_lists_every_pair_in_train_configs():
+    rows = [line for line in README.splitlines() if line.startswith("| ") and ".toml` |" in line]
+    pairs = {tuple(re.findall(r"`([\w.]+\.toml)`", row)) for row in rows}
+    for config in sorted((REPO / "train_configs").glob("*_baseline.toml")):
+        uniep = config.name.replace("_baseline.toml", "_uniep.toml")
+        assert (REPO / "train_configs" / uniep).is_file(), f"{config.name} has no UniEP twin"
+        assert (config.name, uniep) in pairs, f"README's config table lacks the {config.name} / {uniep} row"
+    assert not [c for c in (REPO / "train_configs").glob("*.toml")
+                if not c.name.endswith(("_baseline.toml", "_uniep.toml"))], "a config outside a pair"
+
+
+def test_readme_commands_call_python3():
+    stale = [line for line in README.splitlines() if re.search(r"(^|[`\s])python (-m|scripts/|-c)", line)]
+    assert not stale, stale

@@ -1,0 +1,102 @@
+"""torchrun with a short failure report; run_train.sh launches training through it.
+
+    python3 titan_uniep/torchrun.py [torchrun arguments] -m titan_uniep.train [training arguments]
+
+The arguments are torchrun's (``torch.distributed.run``), unchanged, and so is
+everything until a worker fails. Then torchrun raises ``ChildFailedError``, and
+its report is a traceback of the launcher itself and a table (about 40 lines)
+after the worker's own message. This prints instead one line per failed rank,
+where their logs are, and last the error of the rank that failed first, as the
+worker recorded it in its torchelastic error file: TorchTitan's ``@record``
+writes the exception there; ``titan_uniep.train`` writes its start-up errors
+there with ``exit_with_error``. It exits with that rank's exit code (1 for a
+signal).
+
+Runs as a script: importing the titan_uniep package would import TorchTitan
+(seconds); this needs torch only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import NoReturn
+
+__all__ = ["exit_with_error", "failure_report", "main"]
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """End a worker with ``message``: recorded for the launcher's report (when torchrun
+    gave the worker an error file that nothing has written yet: TorchTitan's ``@record``
+    keeps the traceback there), printed as ``error: ...``, exit status 1."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and not os.path.exists(error_file):
+        # The plain-string form of torchelastic's error file: the report prints the message
+        # as it is, with no traceback (a configuration error has nothing to trace).
+        with open(error_file, "w", encoding="utf-8") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    sys.exit(f"error: {message}")
+
+
+def _exit_status(failure) -> str:
+    if failure.exitcode < 0:  # torchrun stops the others with SIGTERM once one has failed
+        return f"signal {failure.signal_name()}"
+    return f"exit code {failure.exitcode}"
+
+
+def _recorded(failure) -> tuple[str | None, bool]:
+    """``(message, has_traceback)`` of the worker's error file (None: it wrote none)."""
+    if not os.path.isfile(failure.error_file):
+        return None, False
+    message = failure.message
+    if isinstance(message, dict):  # TorchTitan's @record: the exception, its traceback in extraInfo
+        return str(message.get("message", "")), bool(message.get("extraInfo", {}).get("py_callstack"))
+    return str(message), False
+
+
+def failure_report(err, log_dir: str | None) -> tuple[str, int]:
+    """The report of a ``ChildFailedError`` and the exit status to end with.
+
+    One line per failed rank, the first to fail last, then its recorded
+    message (or, where it recorded none, where its output is)."""
+    first_rank, first = err.get_first_failure()
+    message, traced = _recorded(first)
+    lines = []
+    for rank, failure in sorted(err.failures.items()):
+        if rank == first_rank:
+            continue
+        other, _ = _recorded(failure)
+        said = "" if not other else ": the same error" if other == message else f": {other.splitlines()[0]}"
+        lines.append(f"rank {rank} failed too ({_exit_status(failure)}){said}")
+    if log_dir:
+        lines.append(f"every rank's output: {log_dir}")
+    head = f"rank {first_rank} failed first ({_exit_status(first)})"
+    if message is None:
+        lines.append(f"{head}; it recorded no error: its output is above" + (" and in the logs" if log_dir else ""))
+    else:
+        if traced:
+            head += f"; traceback in {first.error_file}"
+        lines += [f"{head}:", message]
+    return "\n".join(lines), first.exitcode if first.exitcode > 0 else 1
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    try:
+        # torch.distributed.run.main is this plus @record, whose report is the wall this replaces.
+        run(args)
+    except ChildFailedError as err:
+        report, status = failure_report(err, args.log_dir)
+        sys.stdout.flush()
+        print(report, file=sys.stderr, flush=True)
+        return status
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
