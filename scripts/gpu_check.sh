@@ -36,7 +36,9 @@ for step in $STEPS; do
     case $step in
     tests)
         echo "== GPU tests ($NGPU GPUs)"
-        timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -15
+        # Workers compile their kernels on the host's cores in parallel (tests/gpu/conftest.py).
+        timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-14}" tests/gpu 2>&1 \
+            | tee "$OUT/tests.log" | tail -15
         [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench | bench_backward)
         echo "== titan_uniep.$step, world size $NGPU"

@@ -156,7 +156,7 @@ def test_configs_are_checked_before_any_run_starts(tmp_path, capsys):
     assert "--baseline train_configs/qwen3_debug_moe_ep1_uniep.toml has [uniep] enable = true" in err, err
     assert main([*EP1_PAIR, "--out", str(out), "--", "--parallelism.expert_parallel_degree", "2"]) == 2
     err = capsys.readouterr().err
-    assert "baseline side" in err and "NGPU (WORLD_SIZE) = 1 does not match" in err, err
+    assert "baseline side" in err and "NGPU (WORLD_SIZE) = 1 does not fit" in err, err
     assert "Here NGPU is --ngpu" in err, err
     assert not out.exists()
     out.mkdir()

@@ -67,7 +67,7 @@ def test_misspelt_uniep_key_in_the_file_names_the_closest_key_and_the_fix(tmp_pa
     message = str(err.value)
     assert message.startswith(f"config file {str(path)!r}: shedule is not a key of [uniep]; did you mean schedule? "
                               "Fix the key in the file"), message
-    assert "enable, schedule, guard" in message, message
+    assert "enable, schedule, compute_dtype, guard" in message, message
 
 
 def test_misspelt_uniep_key_on_the_command_line_names_the_closest_flag():
@@ -216,8 +216,13 @@ def test_ngpu_mismatch_stops_train_main_before_torchtitan(monkeypatch):
 EP1_UNIEP_CONFIG = REPO / "train_configs" / "qwen3_debug_moe_ep1_uniep.toml"
 
 
+# The EP = 1 pair is a GPU configuration; without CUDA the kernels compute in fp32 only, on the tiny flavor.
+CPU_EP1 = ("--model.flavor", "debugmodel_moe_tiny", "--training.mixed_precision_param", "float32")
+
+
 def _cached(cache: Path) -> list[str]:
-    return ["--job.config_file", str(EP1_UNIEP_CONFIG), "--uniep.tuning", "cached", "--uniep.tuning_cache", str(cache)]
+    return ["--job.config_file", str(EP1_UNIEP_CONFIG), *CPU_EP1, "--uniep.tuning", "cached", "--uniep.tuning_cache",
+            str(cache)]
 
 
 def test_unreadable_or_foreign_tuning_cache_fails_preflight_naming_the_key(tmp_path):

@@ -30,17 +30,16 @@ which outputs change; ``tests/test_tuning_space.py`` samples random schedule
 points and compares every output and gradient with the default point's bits.
 Both run the interpreter with a shape-independent ``tl.dot``
 (``tests/interpreter_dot.py``; numpy's BLAS rounds by the tile shape, MMA
-chains do not). What the interpreter cannot show: a ``tl.sum`` on a GPU adds
-in the order of its blocked layout, which follows the tile shape and the
-warps, so the fields that shape the layouts of the kernels' in-tile sums
-(``block_m``, ``da_num_warps``, ``reduce_block_tokens`` with scores before
-the experts) are schedule fields by the interpreter's evidence until ``scripts/tuning_gpu.sh`` (STEP
-bits1) confirms them in bf16 on a GPU; the GPU tests so far confirm
-descriptor loads, ``dh_copies_rows``, ``local_first``, ``fc1_one_dot``
-(scores after the experts: bf16 check and golden digests; with scores
-before, the runtime keeps the two-product fc1 tile, whose bits the one-dot
-tile does not reproduce there) and ``da_block_n`` up to 128 (``da_block_n``
-256 gave other bits on the mixtral-like shape and is not in the space).
+chains do not). On a GPU a ``tl.sum`` adds in the order of its tile's
+layout, which follows the tile shape and the warps; the kernels' sums over
+a tile's columns (the router-score gradients in da_combine) therefore add
+in an order fixed by the column indices (``kernels.ordered_sums``), and the
+GPU evidence is ``check_schedule_bits.py --device cuda --values all`` (every
+value of every field on three shapes, both score modes; its table is in
+``docs/design.md``, "Schedule and numerics fields") and the GPU property
+test ``tests/gpu/test_gpu_schedule_bits.py`` (48 sampled points, bf16 and
+fp16). The tuner also compares a point's every output with the default's
+before caching it (``tune.verify_entry``).
 
 ``LayerShape`` is a layer's shape as the tuner sees it; ``feasible`` is the
 constraint check (shared memory and registers per program times programs per
