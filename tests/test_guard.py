@@ -35,9 +35,10 @@ class _Model(torch.nn.Module):
         return self.moe(x)
 
 
-def _flaky_on_rank1(x, routing, w1, w2, w3, *, group, score_before_experts):
+def _flaky_on_rank1(x, routing, w1, w2, w3, *, group, score_before_experts, out_dtype=None):
     """The reference schedule, plus a last-bit change on rank 1 at every other call."""
-    out = reference_schedule(x, routing, w1, w2, w3, group=group, score_before_experts=score_before_experts)
+    out = reference_schedule(x, routing, w1, w2, w3, group=group, score_before_experts=score_before_experts,
+                             out_dtype=out_dtype)
     _flaky_on_rank1.calls += 1
     if torch.distributed.get_rank() == 1 and _flaky_on_rank1.calls % 2 == 0:
         out = out.clone()
