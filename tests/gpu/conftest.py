@@ -3,9 +3,8 @@
 They may run in parallel (pytest-xdist, several processes on one GPU): each
 persistent grid is one launch of one process, and the driver time-slices
 whole contexts, so a grid's programs stay resident together while it runs.
-On one H200 ``python3 -m pytest -n 14 tests/gpu`` passed (91 tests, 124 s,
-2026-12-04); the sampled-point test compiles a kernel set per test, which
-is what the workers share out.
+The sampled-point test compiles a kernel set per test, which is what the
+workers share out (``docs/design.md``, "Schedule and numerics fields").
 """
 
 from pathlib import Path
