@@ -229,7 +229,9 @@ def main() -> int:
             ap.error(f"--cases: known cases are {[c['name'] for c in CASES[args.device]]}")
     modes = {"after": (False,), "before": (True,), "both": (False, True)}[args.scores]
     # Units small enough to balance the workers: a few fields each.
-    per_unit = max(1, len(names) * len(cases) * len(modes) // max(1, 3 * args.workers)) if args.workers > 1 else len(names)
+    per_unit = len(names)
+    if args.workers > 1:
+        per_unit = max(1, len(names) * len(cases) * len(modes) // (3 * args.workers))
     units = [(args.device, case, sb, names[i:i + per_unit], max_values, args.blas_dot, args.repeat)
              for case in cases for sb in modes for i in range(0, len(names), per_unit)]
     start = time.time()

@@ -141,8 +141,8 @@ def test_plot_is_named_after_both_runs_in_run_bs_folder(tmp_path):
 
 
 @pytest.mark.parametrize("args,verdict", [
-    ((), "base vs uniep: NOT bitwise equal\nmax abs diff 8.081e-04, max rel diff 1.000e-04, mean rel diff 1.000e-04 over 3 "
-         "steps"),
+    ((), "base vs uniep: NOT bitwise equal\nmax abs diff 8.081e-04, max rel diff 1.000e-04, "
+         "mean rel diff 1.000e-04 over 3 steps"),
     (("--rtol", "1e-3"), "base vs uniep: NOT bitwise equal; rtol=0.001 atol=0: within\n"),
     (("--rtol", "1e-5"), "base vs uniep: NOT bitwise equal; rtol=1e-05 atol=0: EXCEEDED\n"),
 ])

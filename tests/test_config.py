@@ -214,7 +214,8 @@ def test_ep_group_on_one_host_with_peer_access_passes_the_check():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 @pytest.mark.parametrize("flavor,precision,why", [
-    ("debugmodel_moe", "float32", r"grouped-GEMM experts of model 'qwen3_uniep' flavor 'debugmodel_moe' compute in bf16"),
+    ("debugmodel_moe", "float32",
+     r"grouped-GEMM experts of model 'qwen3_uniep' flavor 'debugmodel_moe' compute in bf16"),
     ("debugmodel_moe_tiny", "bfloat16", r"training.mixed_precision_param = 'bfloat16'"),
 ])
 def test_kernel_schedule_without_cuda_refuses_bf16_experts_naming_why_and_the_cpu_flavor(tmp_path, flavor, precision,

@@ -34,6 +34,7 @@ __all__ = ["COMPUTE_DTYPES", "cast_to_compute", "job_compute_dtype", "layer_comp
 
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
+
 def resolve(requested: str, *, framework_casts_to_bf16: bool) -> torch.dtype | None:
     """The expert GEMMs' dtype for ``[uniep] compute_dtype = requested``.
 

@@ -599,7 +599,7 @@ def _progress(total: int, name: str, show: bool):
 def config_layers(path: str) -> tuple[list[MoELayer], int]:
     """Every distinct MoE layer shape of the train config at ``path``, at its
     tokens per rank and the dtype its kernels compute in
-    (``parallelize.kernel_dtype``), and its EP degree. Builds the model on the
+    (``compute_dtype.job_compute_dtype``), and its EP degree. Builds the model on the
     meta device (no memory), as the trainer does."""
     from torchtitan.config import ConfigManager
     from torchtitan.models.moe.moe import MoE
