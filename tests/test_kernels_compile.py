@@ -7,6 +7,8 @@ memory) and use wgmma. Runs in a subprocess: TRITON_INTERPRET must be unset
 when a kernel is defined for it to be compilable.
 """
 
+import re
+
 import pytest
 
 from sm90_compile import run_compile_script
@@ -18,7 +20,7 @@ def compile_all() -> None:
     import sm90_compile
     from sm90_compile import arena_types, route_types
 
-    from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel
+    from titan_uniep.kernels.dispatch_fc1 import dispatch_fc1_kernel, fc1_launch_stages
     from titan_uniep.kernels.fc2_combine import fc2_combine_kernel
     from titan_uniep.kernels.scoreboard import sync_scope
     from titan_uniep.kernels.route import (count_parts, exchange_counts_kernel, route_histogram_kernel,
@@ -49,6 +51,24 @@ def compile_all() -> None:
                 assert "warp_group_dot" in ttgir, "fc2 does not use wgmma"
                 if even:
                     assert "async_copy_global_to_local" in ttgir, "fc2 K-loop is not pipelined"
+    # Scores before the experts: fc1 scales its rows in registers, and Triton then feeds
+    # them to wgmma from registers; pipelined, that form left wgmma groups in flight across
+    # K steps and gave other results on every call on an H200 (kernels.dispatch_fc1.
+    # fc1_launch_stages). As launched there, no wgmma group may be pending past a dot; with
+    # scores after (the same stages requested) the loop is pipelined, so the check sees them.
+    fc1_shape = dict(NUM_LOCAL=2, WORLD=2, DIM=576, HIDDEN=744, TOP_K=4, KP=4, BM=128, BN=128, BK=64, BD=512,
+                     PRECISION="tf32", USE_TIMER=True, SAVE_H13=True, SCOPE="gpu")
+    for group_m, block_tokens in ((8, 16), (1, 16), (8, 32)):
+        for score_before in (True, False):
+            ttgir = build(dispatch_fc1_kernel, a_ptrs, dict(SCORE_BEFORE=score_before, GROUP_M=group_m,
+                                                            BT=block_tokens, **fc1_shape),
+                          num_stages=fc1_launch_stages(3, score_before))
+            pending = {int(n) for n in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)}
+            if score_before:
+                assert pending == {0}, f"fc1, scores before (GROUP_M {group_m}, BT {block_tokens}): wgmma groups " \
+                    f"left pending {sorted(pending)}"
+            else:
+                assert max(pending) > 0, "fc1, scores after: the K-loop's wgmma is not pipelined"
     # The short-K shapes' fc2_combine (params.DEFAULTS row (2, "short"): 128-column
     # tiles, 4 warps, two programs per SM) must fit as many programs per SM as it
     # is launched with; every field as runtime.forward launches it.

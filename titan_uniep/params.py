@@ -87,7 +87,7 @@ class LayerParams:
     fc1_num_warps: int = 8
     """Warps per dispatch_fc1 program."""
     fc1_num_stages: int = 3
-    """Software-pipelining depth of fc1's K-loop (>= 0)."""
+    """Software-pipelining depth of fc1's K-loop (>= 0; with scores before the experts, 1 always: ``kernels.dispatch_fc1.fc1_launch_stages``)."""
     fc1_one_dot: bool = False
     """fc1 computes h1 and h3 in one ``block_m x 2 fc1_block_n`` product per K step over interleaved w1 | w3 columns, not two ``block_m x fc1_block_n`` ones (scores after the experts; with scores before, the two-product tile always: there the two give other bits on an H200)."""
 

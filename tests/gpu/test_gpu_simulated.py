@@ -76,3 +76,30 @@ def test_simulated_world_bf16_edge_routing(case):
         params = LayerParams(dispatch_programs=3, num_programs=20, block_m=64,
                              fc1_block_n=64, fc2_block_n=128, dispatch_block_tokens=8, reduce_block_tokens=8)
     check_world(w, score_before=case == "one_local_expert", params=params)
+
+
+@pytest.mark.parametrize("change", [dict(group_m=1), dict(dispatch_block_tokens=32), dict(fc1_num_stages=4)],
+                         ids=["group_m_1", "dispatch_block_tokens_32", "fc1_stages_4"])
+def test_score_before_fc1_gives_the_default_points_bits_on_every_call(change):
+    """Scores before the experts, a 576 x 744 layer (W = 2, one rank without
+    tokens): points whose ``dispatch_fc1`` compiles to other code gave
+    another output on every call while fc1 was pipelined (off by up to 0.18
+    against float64, the default point 0.019; ``kernels.dispatch_fc1.
+    fc1_launch_stages``). Six calls of each schedule, each on freshly
+    poisoned buffers, equal the default point's output bit for bit."""
+    from titan_uniep.params import default_params
+
+    w = worlds.make_world(2, 10, 4, [257, 0], seed=303, dim=576, hidden=744, device="cuda", dtype=torch.bfloat16)
+    base = default_params(2, hidden=744)
+    reference = worlds.run_both_poisoned(w, score_before=True, params=base)[0][0]
+    exact = float64_moe_oracle(w["xs"][0], w["scores"][0], w["indices"][0], w["w1"], w["w2"], w["w3"],
+                               score_before_experts=True)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(reference.double(), exact, rtol=3e-2, atol=3e-2 * scale)
+    point = base.replace(**change)
+    for call in range(3):
+        sequential, fused = worlds.run_both_poisoned(w, score_before=True, params=point)
+        for schedule, out in (("sequential", sequential[0]), ("fused", fused[0])):
+            assert torch.equal(out, reference), (
+                f"{change}, call {call + 1}, {schedule}: output differs from the default point's in "
+                f"{int((out != reference).sum())} elements, max |diff| {(out.float() - reference.float()).abs().max():.3g}")

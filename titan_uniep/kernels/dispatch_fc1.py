@@ -57,6 +57,28 @@ from .scoreboard import (
 _CTL_TILE_TASKS = tl.constexpr(CTL_TILE_TASKS)
 
 
+def fc1_launch_stages(num_stages: int, score_before: bool) -> int:
+    """The software-pipelining depth ``dispatch_fc1_kernel`` is launched with
+    for ``LayerParams.fc1_num_stages = num_stages``: that, or 1 (no
+    pipelining) with scores before the experts.
+
+    There the fc1 tile scales its gathered rows by the router score in
+    registers, so Triton 3.6 feeds them to wgmma from registers (the
+    register-A form), and pipelined it keeps up to seven wgmma groups in
+    flight across K steps. On an H200 that tile, at 3 stages, gave another
+    result on every call once constexprs that only touch other code changed
+    (``GROUP_M`` 1, or the dispatch's ``BT`` 32, on a 576 x 744 layer), off
+    by up to 0.18 against float64 where the default point is off by 0.019;
+    at 1 or 2 stages, or 4 warps, it gave the default point's bits on every
+    call (``docs/design.md``, "Scores before the experts: fc1 unpipelined").
+    2 stages compile to the same in-flight structure, so only the
+    unpipelined form is safe by construction: every wgmma completes before
+    the next K step loads (no wgmma group pending, which
+    ``tests/test_kernels_compile.py`` checks). The products and their order
+    are unchanged, so are the bits."""
+    return 1 if score_before else num_stages
+
+
 @triton.jit
 def fc1_tile(
     x_rows, slot_copy, slot_score, w1, w3, h, h13, m0, m1, n0,

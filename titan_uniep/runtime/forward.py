@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 import triton
 
-from ..kernels.dispatch_fc1 import dispatch_fc1_kernel
+from ..kernels.dispatch_fc1 import dispatch_fc1_kernel, fc1_launch_stages
 from ..kernels.fc2_combine import fc2_combine_kernel
 from ..kernels.scoreboard import sync_scope
 from ..layout import RouteLayout, token_destinations
@@ -237,7 +237,8 @@ def launch_forward(ws: Workspace, call: CallArrays, p: LayerParams, score_before
             do_dispatch, do_fc1, dispatch_programs, p.debug_silent_rank, timeout, int(p.local_first),
             BM=p.block_m, BN=p.fc1_block_n, BK=p.fc1_block_k, BT=p.dispatch_block_tokens, BD=p.dispatch_block_dim,
             KP=triton.next_power_of_2(s.top_k), SAVE_H13=call.h13 is not None,
-            ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps, num_stages=p.fc1_num_stages,
+            ONE_DOT=p.fc1_one_dot and not score_before, num_warps=p.fc1_num_warps,
+            num_stages=fc1_launch_stages(p.fc1_num_stages, score_before),
             **shape_meta,
         )
 
