@@ -3,9 +3,11 @@ another commit's, side by side in one process, on one GPU (a simulated world of 
 
     python scripts/speed_against_commit.py --base 0fbe63e^                       # the five tuning shapes
     python scripts/speed_against_commit.py --base HEAD~3 --shape qwen3_1gpu --score-before
+    python scripts/speed_against_commit.py --base old/      # a folder holding the base's titan_uniep/
 
-The base commit's ``titan_uniep`` is extracted with ``git archive`` into a temporary
-folder and imported under another name, so both versions' kernels run in turn in one
+The base commit's ``titan_uniep`` (``git archive``, or copied from a folder: a checkout
+without the commit, as on a machine the tree was copied to) goes into a temporary
+folder and is imported under another name, so both versions' kernels run in turn in one
 process (``timing.time_alternating``: alternating order, medians over rounds). For each
 shape: the fused forward (h1 | h3 saved) and the fused backward on the saved h1 | h3,
 milliseconds; whether the forward output and each gradient are bitwise equal between the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,10 +37,13 @@ BASE_NAME = "titan_uniep_base"
 
 
 def import_base(rev: str, into: Path):
-    """``titan_uniep`` of commit ``rev`` as the package ``titan_uniep_base``."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "titan_uniep"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    """``titan_uniep`` of commit ``rev`` (or of the folder ``rev``) as the package ``titan_uniep_base``."""
+    if Path(rev, "titan_uniep").is_dir():
+        shutil.copytree(Path(rev, "titan_uniep"), into / "titan_uniep")
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "titan_uniep"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     package = into / BASE_NAME
     (into / "titan_uniep").rename(package)
     for path in package.rglob("*.py"):
@@ -73,7 +79,7 @@ def layer_calls(runtime, shape, inputs, score_before: bool):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", required=True, help="the commit to compare with (git revision)")
+    ap.add_argument("--base", required=True, help="the commit to compare with: a git revision, or a folder holding its titan_uniep/")
     add_shape_argument(ap, default=TUNING_SHAPES)
     ap.add_argument("--score-before", action="store_true", help="router scores applied before the experts")
     ap.add_argument("--warmup", type=int, default=3)
