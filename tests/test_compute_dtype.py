@@ -20,8 +20,8 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_uniep import compute_dtype
 from titan_uniep.config import UniEP
-from titan_uniep.cpu import apply_cpu_shims
-from titan_uniep.parallelize import _swap_to_uniep
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 from titan_uniep.schedules import get_schedule, register_schedule
 
 DIM, HIDDEN, EXPERTS = 32, 16, 4

@@ -21,8 +21,8 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from distributed import run_distributed
-from titan_uniep.cpu import apply_cpu_shims
-from titan_uniep.parallelize import UniEPExpertParallel, _swap_to_uniep
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.parallelize import UniEPExpertParallel, _swap_to_uniep
 from titan_uniep.config import UniEP
 
 DIM, HIDDEN, EXPERTS = 64, 32, 8

@@ -191,8 +191,8 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.cpu import apply_cpu_shims
-    from titan_uniep.parallelize import _swap_to_uniep
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
     apply_cpu_shims()  # int histc of TorchTitan's router on CPU
     torch.manual_seed(31)
@@ -232,8 +232,8 @@ def test_float32_compute_of_bf16_parameters_runs_the_kernels_in_fp32_and_returns
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.cpu import apply_cpu_shims
-    from titan_uniep.parallelize import _swap_to_uniep
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
     apply_cpu_shims()
     torch.manual_seed(43)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_uniep.compare_loss import compare, load_run
+from titan_uniep.tools.compare_loss import compare, load_run
 from titan_uniep.testing import check_recorded_layers
 from training import BASELINE, UNIEP, RunTimedOut, run_in_own_group, train
 

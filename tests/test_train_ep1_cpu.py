@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_uniep.compare_loss import compare, load_run
+from titan_uniep.tools.compare_loss import compare, load_run
 
 pytestmark = pytest.mark.slow
 

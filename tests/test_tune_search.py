@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titan_uniep import timing, tune
+from titan_uniep import timing
+from titan_uniep.tools import tune
 from titan_uniep.params import default_params
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ def _in_backward() -> bool:
 class StepCounter:
     """The 1-based training step of the current forward, shared by the guard and the test hooks.
 
-    ``titan_uniep.train`` sets it from the trainer before every step
+    ``titan_uniep.torchtitan.v0_2.train`` sets it from the trainer before every step
     (``start_step``), so a run resumed from a checkpoint at step N names
     step N + 1 next. Under another trainer it counts root-model forwards (a
     forward pre-hook installed by the parallelize hook): ``grad_accum_steps``
@@ -177,7 +177,7 @@ class UniEPGroupedExperts(GroupedExperts):
     ``(T, D)`` in x's dtype: dispatch, expert FFN and combine all happen
     inside, with the GEMMs in ``compute_dtype`` (``titan_uniep.compute_dtype``:
     None follows x, or autocast where it is on). The EP group, schedule and
-    compute dtype are set by ``titan_uniep.parallelize``.
+    compute dtype are set by the parallelize hook (``parallelize.py``).
     """
 
     # Set by the parallelize hook after the class swap (see parallelize.py).

@@ -3,7 +3,7 @@
 ``check_launch(argv, world_size)`` needs the standard library only and takes
 about 0.1 s: ``run_train.sh`` runs it before torchrun starts, as
 
-    python3 titan_uniep/preflight.py NGPU --job.config_file FILE [overrides]
+    python3 -m titan_uniep.torchtitan.preflight NGPU --job.config_file FILE [overrides]
 
 (it prints the job's dump folder, where run_train.sh puts torchrun's logs).
 It checks
@@ -18,7 +18,7 @@ It checks
   mesh and on the expert mesh alike (TorchTitan 0.2.2 itself ends in an
   ``assert`` or in ``The product of mesh_sizes=(1, 1, 0, 2, 1) is 0``).
 
-``preflight(argv, world_size)`` is what ``titan_uniep.train.main`` runs in
+``preflight(argv, world_size)`` is what ``titan_uniep.torchtitan.train.main`` runs in
 every worker before TorchTitan builds anything (process group, device mesh,
 model): ``check_launch`` again, then what needs TorchTitan (seconds of
 imports, which is why run_train.sh does not wait for it): every key of every
@@ -53,19 +53,13 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-if __package__:
-    from titan_uniep.config import UniEP
-else:
-    # Run as a script by run_train.sh: importing the titan_uniep package would
-    # import TorchTitan (seconds); config.py imports only the standard library,
-    # and this file's folder is the first entry of sys.path.
-    from config import UniEP
+from titan_uniep.config import UniEP
 
 __all__ = ["check_job", "check_keys", "check_launch", "check_world_size", "config_file_arg", "load_config_file",
            "path_overrides", "preflight"]
 
 _CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
-_PACKAGE_PARENT = Path(__file__).resolve().parents[1]
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 # TorchTitan 0.2.2's defaults (config/job_config.py; tests/test_preflight.py checks them against it).
 _DEGREE_DEFAULTS = {
     "data_parallel_replicate_degree": 1,

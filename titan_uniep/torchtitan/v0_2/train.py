@@ -1,12 +1,13 @@
 """TorchTitan's trainer plus a loss file, on GPU or, without one, on CPU.
 
-``./run_train.sh`` runs ``torchrun ... -m titan_uniep.train --job.config_file X``.
+``./run_train.sh`` runs ``torchrun ... -m titan_uniep.torchtitan.train --job.config_file X``, which
+runs ``main`` here on TorchTitan 0.2.2.
 Training itself is ``torchtitan.train.main`` unchanged; this adds:
 
-- ``titan_uniep.preflight`` before anything is built (a missing or broken
+- ``titan_uniep.torchtitan.preflight`` before anything is built (a missing or broken
   config file, NGPU that does not fit the parallel degrees, ``[uniep]``
   errors), and relative bundled paths that work from any directory;
-- the CPU shims (``titan_uniep.cpu``) when CUDA is unavailable;
+- the CPU shims (``titan_uniep.torchtitan.v0_2.cpu``) when CUDA is unavailable;
 - offline mode for the Hugging Face libraries (the data is bundled);
 - ``<job.dump_folder>/loss.jsonl``, written by rank 0: one line per logged step,
   ``{"step": N, "loss": L, "max_loss": M, "grad_norm": G, "time": T, ...}``,
@@ -20,12 +21,12 @@ Training itself is ``torchtitan.train.main`` unchanged; this adds:
   step since the previous logged step), ``mem_reserved_peak_gib`` (the
   "memory:" figure of the log line) and ``mem_active_peak_gib`` (rank 0's peak
   reserved and active bytes since the previous logged step, in GiB; without a
-  GPU both are the process's peak resident set, from ``titan_uniep.cpu``). On
+  GPU both are the process's peak resident set, from ``titan_uniep.torchtitan.v0_2.cpu``). On
   a GPU each line also has rank 0's ``mem_allocated`` (bytes held after the
   step) and ``mem_peak`` (peak allocated bytes since the previous logged step).
-  ``python -m titan_uniep.compare_loss RUN_A RUN_B`` compares two such files;
-  ``python -m titan_uniep.memory_flat RUN`` checks that memory stays flat;
-  ``python -m titan_uniep.bench_train`` takes its throughput figures from them.
+  ``python -m titan_uniep.tools.compare_loss RUN_A RUN_B`` compares two such files;
+  ``python -m titan_uniep.tools.memory_flat RUN`` checks that memory stays flat;
+  ``python -m titan_uniep.tools.bench_train`` takes its throughput figures from them.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from torchtitan.config.manager import ConfigManager
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
-from titan_uniep.cpu import CPU_ARGS, apply_cpu_shims, fp32_compute_args
-from titan_uniep.torchrun import exit_with_error
-from titan_uniep.preflight import check_job, path_overrides
+from titan_uniep.torchtitan.preflight import check_job, path_overrides
+from titan_uniep.torchtitan.torchrun import exit_with_error
+from titan_uniep.torchtitan.v0_2.cpu import CPU_ARGS, apply_cpu_shims, fp32_compute_args
 
 LOSS_FILE = "loss.jsonl"
 
