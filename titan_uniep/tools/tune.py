@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -605,8 +606,13 @@ def config_layers(path: str) -> tuple[list[MoELayer], int]:
     from torchtitan.models.moe.moe import MoE
     from torchtitan.protocols.train_spec import get_train_spec
 
-    import titan_uniep.torchtitan.v0_2  # noqa: F401  (registers the *_uniep train specs and flavors)
     from titan_uniep.compute_dtype import job_compute_dtype
+    from titan_uniep.torchtitan import edge_module
+
+    if edge_module() != "titan_uniep.torchtitan.v0_2":
+        raise ValueError(f"--config {path}: reading the MoE shapes of a TOML train config needs TorchTitan 0.2.2; "
+                         "on another TorchTitan pass the layer shapes with --shape")
+    importlib.import_module(edge_module())  # registers the *_uniep train specs and flavors
 
     job = ConfigManager().parse_args(["--job.config_file", path])
     spec = get_train_spec(job.model.name)

@@ -104,7 +104,7 @@ def configure_tuning(group: dist.ProcessGroup, mode: str, cache_path: str, *, mo
     policy for ``group``'s workspaces."""
     policy = TuningPolicy.from_config(mode, cache_path)
     if mode == "search":
-        from ..tune import MoELayer, SearchOptions, search_layer
+        from titan_uniep.tools.tune import MoELayer, SearchOptions, search_layer
 
         layers = {}
         for moe in moe_modules:
