@@ -13,8 +13,9 @@ not download any, so the package carries both (``titan_uniep/assets``, made by
   train config's ``hf_assets_path``): byte-level BPE with 2048 tokens, the
   vocab_size of the debug flavors.
 
-Each edge adds ``DATASET_NAME`` to its TorchTitan's dataset table, with
-``load_corpus`` as the loader and ``document_text`` as the sample processor.
+``register_dataset`` adds ``DATASET_NAME`` to TorchTitan's dataset table
+(``hf_datasets.text_datasets.DATASETS``, the same table in 0.2.2 and 0.3.0);
+each edge calls it when it is imported.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import json
 from pathlib import Path
 
 from datasets import Dataset
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS
 
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -49,3 +52,11 @@ def load_corpus(path: str) -> Dataset:
 def document_text(sample: dict) -> str:
     """A corpus sample's text (TorchTitan's ``sample_processor``)."""
     return sample["text"]
+
+
+def register_dataset() -> None:
+    """Add ``"uniep_corpus"`` to TorchTitan's dataset table; calling it again is a no-op."""
+    DATASETS.setdefault(
+        DATASET_NAME,
+        DatasetConfig(path=CORPUS_PATH, loader=load_corpus, sample_processor=document_text),
+    )

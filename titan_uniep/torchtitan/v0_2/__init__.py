@@ -19,11 +19,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
 
-from titan_uniep.torchtitan.data import CORPUS_PATH, DATASET_NAME, document_text, load_corpus
+from titan_uniep.torchtitan.data import register_dataset
 from titan_uniep.torchtitan.v0_2.flavors import register_flavors
 from titan_uniep.torchtitan.v0_2.parallelize import wrap_parallelize_fn
 
@@ -33,14 +31,6 @@ UNIEP_MODELS = {
     "qwen3_uniep": "qwen3",
     "llama4_uniep": "llama4",
 }
-
-
-def register_dataset() -> None:
-    """Add ``"uniep_corpus"`` to TorchTitan's dataset table; calling it again is a no-op."""
-    DATASETS.setdefault(
-        DATASET_NAME,
-        DatasetConfig(path=CORPUS_PATH, loader=load_corpus, sample_processor=document_text),
-    )
 
 
 def _register_train_specs() -> None:

@@ -22,14 +22,10 @@ With ``enable = false`` it calls the base parallelize_fn and nothing else.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import socket
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -40,7 +36,9 @@ from titan_uniep.compute_dtype import job_compute_dtype, resolve
 from titan_uniep.config import UniEP
 from titan_uniep.schedules import available_schedules
 from titan_uniep.testing import UniEPTestHooks
-from titan_uniep.torchtitan.v0_2.moe import BitwiseGuard, StepCounter, UniEPGroupedExperts, UniEPMoE
+from titan_uniep.torchtitan.ep_group import EPGPU, check_ep_gpus, one_rank_group, probe_ep_gpus
+from titan_uniep.torchtitan.layer import BitwiseGuard, StepCounter
+from titan_uniep.torchtitan.v0_2.moe import UniEPGroupedExperts, UniEPMoE
 
 logger = logging.getLogger(__name__)
 
@@ -165,77 +163,8 @@ def kernel_dtype(cfg: UniEP, model: nn.Module | None, job_config) -> torch.dtype
                              activation_dtype=job_config.training.mixed_precision_param)
 
 
-@dataclass(frozen=True)
-class EPGPU:
-    """Where one rank of the EP group runs, as every rank of the group sees it."""
-
-    rank: int
-    """Global rank."""
-    host: str
-    no_peer_access: tuple[int, ...]
-    """Global ranks on the same host whose GPU this rank's GPU cannot map (``can_device_access_peer``)."""
-
-
 def _probe_ep_gpus(parallel_dims) -> list[EPGPU]:
-    """Every EP rank's host and peer access, in EP-rank order (two small all-gathers over the EP group)."""
-    group = parallel_dims.get_mesh("ep").get_group()
-    world = dist.get_world_size(group)
-    device = torch.cuda.current_device()
-    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-    mine = (dist.get_rank(), socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
-    places: list = [None] * world
-    dist.all_gather_object(places, mine, group=group)
-    # A peer GPU this process cannot see (per-rank CUDA_VISIBLE_DEVICES) cannot
-    # be probed here; symmetric memory may still reach it through CUDA IPC.
-    blocked = tuple(
-        rank for rank, host, uuid in places
-        if host == mine[1] and uuid != mine[2] and uuid in visible
-        and not torch.cuda.can_device_access_peer(device, visible[uuid])
-    )
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, blocked, group=group)
-    return [EPGPU(rank, host, no_access) for (rank, host, _uuid), no_access in zip(places, everyone)]
-
-
-def check_ep_gpus(cfg: UniEP, gpus: list[EPGPU]) -> None:
-    """Raise ValueError unless the kernel schedules can map every EP peer's memory.
-
-    ``sequential`` and ``fused`` store rows straight into the peers' symmetric
-    memory (NVLink), so the EP group must sit on one host with peer access
-    between every pair of its GPUs; otherwise the failure would come from
-    inside the symmetric-memory rendezvous or a kernel. Every rank decides on
-    the same gathered picture, so all raise together.
-    """
-    use_reference = (
-        'Use [uniep] schedule = "reference" (torch collectives over any interconnect) for this layout.'
-    )
-    hosts: dict[str, list[int]] = {}
-    for gpu in gpus:
-        hosts.setdefault(gpu.host, []).append(gpu.rank)
-    if len(hosts) > 1:
-        where = "; ".join(f"{host}: ranks {ranks}" for host, ranks in hosts.items())
-        raise ValueError(
-            f"[uniep] schedule = {cfg.schedule!r} needs the whole EP group on one host (its kernels write into "
-            f"the peers' GPU memory over NVLink), but this EP group spans {len(hosts)} hosts ({where}). "
-            f"{use_reference} Or set parallelism.expert_parallel_degree to at most the GPUs of one host: "
-            "TorchTitan puts consecutive ranks, which torchrun places on one host, in one EP group."
-        )
-    pairs = [(gpu.rank, peer) for gpu in gpus for peer in gpu.no_peer_access]
-    if pairs:
-        where = ", ".join(f"rank {a} -> rank {b}" for a, b in pairs)
-        raise ValueError(
-            f"[uniep] schedule = {cfg.schedule!r} needs peer access between every pair of GPUs in the EP group "
-            f"(torch.cuda.can_device_access_peer), but it is missing for {where} on {gpus[0].host}. "
-            f"{use_reference} (`nvidia-smi topo -p2p r` shows which GPUs can map each other.)"
-        )
-
-
-@functools.cache
-def one_rank_group() -> dist.ProcessGroup:
-    """This rank's own process group (a collective the first time: every rank
-    creates every rank's group), the EP group of its experts at EP = 1."""
-    mine, _all = dist.new_subgroups(group_size=1)
-    return mine
+    return probe_ep_gpus(parallel_dims.get_mesh("ep").get_group())
 
 
 def _swap_to_uniep(model: nn.Module, cfg: UniEP) -> list[tuple[str, UniEPMoE]]:
