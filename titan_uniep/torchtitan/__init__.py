@@ -18,6 +18,7 @@ __all__ = ["EDGES", "edge_module", "installed_version"]
 
 EDGES = {
     "0.2.2": "titan_uniep.torchtitan.v0_2",
+    "0.3.0": "titan_uniep.torchtitan.v0_3",
 }
 """Supported TorchTitan release -> the edge package that plugs UniEP into it."""
 

@@ -85,6 +85,22 @@ def config_file_arg(argv: list[str]) -> str | None:
     return None
 
 
+def without_config_file_arg(argv: list[str]) -> list[str]:
+    """``argv`` without its ``--job.config_file`` argument (either form)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.partition("=")[0] in _CONFIG_FILE_FLAGS and "=" in arg:
+            continue
+        if arg in _CONFIG_FILE_FLAGS and i + 1 < len(argv):
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
 def load_config_file(path: str) -> dict:
     """Parse the TOML train config; ``ValueError`` naming the file and the fix if it cannot be read."""
     try:
