@@ -6,7 +6,7 @@
 - ``trainer``: ``UniEPTrainer``, TorchTitan's trainer whose config has a
   ``uniep`` section (``--uniep.schedule fused``), with UniEP's checks;
 - ``config_registry``: the baseline / UniEP pairs (``--module
-  titan_uniep.torchtitan.v0_3 --config qwen3_moe_debug_uniep``);
+  titan_uniep.torchtitan.v0_3 --config qwen3_debug_moe_uniep``);
 - ``flavors``: the realistic-shape and tiny models;
 - ``toml``: a TOML train config naming the module and config, applied through
   TorchTitan's own config manager;

@@ -1,7 +1,7 @@
 """UniEP's train configs for TorchTitan 0.3.0: baseline / UniEP pairs.
 
     torchrun ... -m titan_uniep.torchtitan.train --module titan_uniep.torchtitan.v0_3 \
-        --config qwen3_moe_debug_uniep [--section.key value ...]
+        --config qwen3_debug_moe_uniep [--section.key value ...]
 
 (TorchTitan's ``--module`` imports ``titan_uniep.torchtitan.v0_3.config_registry``,
 ``--config`` names a function here.) The pairs are those of the 0.2.2 TOMLs in
@@ -13,8 +13,9 @@ also writes ``loss.jsonl``.
 | pair | model | EP |
 |---|---|---|
 | ``deepseek_v3_debug_*`` | DeepSeek-V3 ``debugmodel`` (8 experts, top-3, 2 shared) | 2 |
-| ``qwen3_moe_debug_*`` | Qwen3 ``debugmodel_moe`` (64 experts, top-8) | 2 |
-| ``qwen3_moe_debug_ep1_*`` | the same at EP = 1, schedule ``fused`` (GPU) | 1 |
+| ``qwen3_debug_moe_*`` | Qwen3 ``debugmodel_moe`` (64 experts, top-8) | 2 |
+| ``qwen3_debug_moe_ep1_*`` | the same at EP = 1, schedule ``fused`` (GPU) | 1 |
+| ``qwen3_debug_moe_tiny_ep1_*`` | one MoE layer of dim 16, fp32, schedule ``fused`` (CPU: Triton's interpreter) | 1 |
 | ``qwen3_30b_a3b_4l_*`` | Qwen3-30B-A3B's MoE layers x4, schedule ``fused`` (GPU) | 1 |
 | ``deepseek_v3_16b_4l_*`` | DeepSeek-V3-16B's layers x4, schedule ``fused`` (GPU) | 1 |
 
@@ -22,7 +23,7 @@ The UniEP debug pairs use ``schedule = "reference"``, which runs anywhere;
 it syncs with the host, as TorchTitan's all-to-all at EP > 1 does, so both
 sides of the debug pairs train without CUDA graphs. The EP = 1 pairs are GPU
 configurations under TorchTitan's CUDA graphs (their CPU form: ``--config
-qwen3_moe_tiny_ep1_uniep``); on GPUs ``--uniep.schedule fused
+qwen3_debug_moe_tiny_ep1_uniep``); on GPUs ``--uniep.schedule fused
 --training.no-disable-cuda-graphs`` runs a debug pair's UniEP side under them.
 """
 
@@ -91,31 +92,31 @@ def deepseek_v3_debug_uniep() -> UniEPTrainer.Config:
     return _job(deepseek_v3_registry("debugmodel"), _REFERENCE, ep=2)
 
 
-def qwen3_moe_debug_baseline() -> UniEPTrainer.Config:
+def qwen3_debug_moe_baseline() -> UniEPTrainer.Config:
     return _job(qwen3_registry("debugmodel_moe"), _OFF, ep=2)
 
 
-def qwen3_moe_debug_uniep() -> UniEPTrainer.Config:
+def qwen3_debug_moe_uniep() -> UniEPTrainer.Config:
     return _job(qwen3_registry("debugmodel_moe"), _REFERENCE, ep=2)
 
 
-def qwen3_moe_debug_ep1_baseline() -> UniEPTrainer.Config:
+def qwen3_debug_moe_ep1_baseline() -> UniEPTrainer.Config:
     return _job(qwen3_registry("debugmodel_moe"), _OFF, ep=1)
 
 
-def qwen3_moe_debug_ep1_uniep() -> UniEPTrainer.Config:
+def qwen3_debug_moe_ep1_uniep() -> UniEPTrainer.Config:
     return _job(qwen3_registry("debugmodel_moe"), _FUSED, ep=1)
 
 
-def qwen3_moe_tiny_ep1_baseline() -> UniEPTrainer.Config:
+def qwen3_debug_moe_tiny_ep1_baseline() -> UniEPTrainer.Config:
     """The CPU form of the EP = 1 pair: one MoE layer of dim 16, fp32 everywhere."""
     config = _job(qwen3_moe_tiny(), _OFF, ep=1, local_batch_size=1, seq_len=16)
     config.training.mixed_precision_param = "float32"
     return config
 
 
-def qwen3_moe_tiny_ep1_uniep() -> UniEPTrainer.Config:
-    """``qwen3_moe_tiny_ep1_baseline`` with UniEP's fused kernels in fp32 (on a CPU: Triton's interpreter)."""
+def qwen3_debug_moe_tiny_ep1_uniep() -> UniEPTrainer.Config:
+    """``qwen3_debug_moe_tiny_ep1_baseline`` with UniEP's fused kernels in fp32 (on a CPU: Triton's interpreter)."""
     config = _job(qwen3_moe_tiny(), UniEP(enable=True, schedule="fused", compute_dtype="float32"), ep=1,
                   local_batch_size=1, seq_len=16)
     config.training.mixed_precision_param = "float32"

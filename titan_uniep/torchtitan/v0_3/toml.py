@@ -5,8 +5,8 @@ TorchTitan 0.3.0 has no TOML: a job is a config-registry function
 both and holds overrides, in the 0.3.0 config's own shape::
 
     module = "titan_uniep.torchtitan.v0_3"   # --module
-    config = "qwen3_moe_debug_uniep"          # --config
-    dump_folder = "./outputs/qwen3_moe_debug_uniep"
+    config = "qwen3_debug_moe_uniep"          # --config
+    dump_folder = "./outputs/qwen3_debug_moe_uniep"
 
     [training]
     steps = 50
@@ -48,7 +48,7 @@ def toml_module_args(path: str, toml: dict, argv: list[str]) -> list[str]:
         if key not in toml and not given:
             raise ValueError(f"config file {path!r} names no {key}: add a top-level line "
                              f"{key} = \"...\" (e.g. module = \"titan_uniep.torchtitan.v0_3\", "
-                             "config = \"qwen3_moe_debug_uniep\"), or pass --" + key)
+                             "config = \"qwen3_debug_moe_uniep\"), or pass --" + key)
         if key in toml and not given:
             if not isinstance(toml[key], str):
                 raise ValueError(f"config file {path!r}, {_where(path, (key,))}: {key} must be a string, "

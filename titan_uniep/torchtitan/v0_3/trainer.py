@@ -36,7 +36,7 @@ from titan_uniep.compute_dtype import resolve
 from titan_uniep.config import UniEP
 from titan_uniep.schedules import available_schedules
 from titan_uniep.testing import UniEPTestHooks
-from titan_uniep.torchtitan.ep_group import check_ep_gpus, probe_ep_gpus
+from titan_uniep.torchtitan.ep_group import check_ep_gpus, one_rank_group, probe_ep_gpus
 from titan_uniep.torchtitan.layer import BitwiseGuard, StepCounter
 from titan_uniep.torchtitan.loss_file import record_losses
 from titan_uniep.torchtitan.trainer import UniEPSteps
@@ -76,7 +76,7 @@ def validate(config: "UniEPTrainer.Config", moe_layers: int) -> None:
     if model is not None and moe_layers == 0:
         raise ValueError(
             f"uniep.enable = true, but model {model.name!r} flavor {model.flavor!r} has no MoE layers. "
-            "Pick an MoE config (e.g. --module titan_uniep.torchtitan.v0_3 --config qwen3_moe_debug_uniep), "
+            "Pick an MoE config (e.g. --module titan_uniep.torchtitan.v0_3 --config qwen3_debug_moe_uniep), "
             "or set --uniep.enable false."
         )
     parallelism = config.parallelism
@@ -163,6 +163,10 @@ class UniEPTrainer(UniEPSteps, Trainer):
                   if isinstance(module, UniEPRoutedExperts)]
         for name, layer in layers:
             layer.layer_name = name
+            if layer.ep_group is None:
+                # TorchTitan parallelizes the model's modules only where a parallelism is
+                # on: a one-rank run leaves them as built, each rank running all experts.
+                layer.ep_group = one_rank_group()
         group = layers[0][1].ep_group
         # Tokens per rank per MoE call: the microbatch (CP splits the sequence).
         training = config.training
