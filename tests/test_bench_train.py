@@ -1,6 +1,11 @@
 """titan_uniep.tools.bench_train: options, commands, statistics and report on synthetic runs; then
 the tool end to end on CPU (the EP = 1 tiny pair of test_train_ep1_cpu.py), and a failing run."""
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import json
 import os
 import re
@@ -8,7 +13,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import pytest
 from test_train_ep1_cpu import CPU_OVERRIDES, UNIEP_VS_BASELINE_RTOL
 from training import REPO, run_in_own_group
 

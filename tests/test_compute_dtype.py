@@ -14,6 +14,10 @@ is tested in test_op.py (interpreter) and on the GPU (tests/gpu).
 from __future__ import annotations
 
 import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import torch
 import torch.distributed as dist
 from torchtitan.models.moe.moe import MoE, MoEArgs

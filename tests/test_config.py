@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import copy
 import textwrap
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor

@@ -6,11 +6,15 @@ step, strict mode stopping both processes) is in test_train_cpu.py.
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import json
 import logging
 import os
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.device_mesh import init_device_mesh

@@ -7,11 +7,15 @@ other (bf16 tolerance in bf16, 1e-6 in float32). Forward and every gradient.
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import copy
 import json
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

@@ -3,6 +3,11 @@ with a message naming the key and the fix; the configs run from any working dire
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import json
 import os
 import subprocess
@@ -11,7 +16,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 
 from titan_uniep.torchtitan import preflight as pf
 

@@ -32,6 +32,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from torchtitan_release import torchtitan_0_2
 import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -222,6 +223,7 @@ def test_silent_rank_stops_every_rank_with_the_root_cause():
         second
 
 
+@torchtitan_0_2  # the 0.2.2 edge's trainer
 def test_lazy_check_reports_the_failure_at_the_next_call_and_at_the_step_end(monkeypatch):
     """The fused path's lazy check: the failing call returns (no host sync),
     its output holds rows no reduce task wrote, and the failure is raised by

@@ -13,6 +13,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+from torchtitan_release import torchtitan_0_2
 import torch
 
 from titan_uniep.config import UniEP
@@ -253,6 +254,7 @@ flavor = "debugmodel"
                           r"none\. Set schedule = \"fused\""),
     ('tuning = "search"\nschedule = "fused"\ntuning_cache = 3', r"\[uniep\] tuning_cache must be a file path"),
 ])
+@torchtitan_0_2  # a TorchTitan 0.2.2 TOML through its config manager
 def test_tuning_keys_are_validated_with_the_fix(tmp_path, lines, match):
     from torchtitan.config import ConfigManager
 
