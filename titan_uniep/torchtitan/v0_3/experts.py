@@ -64,6 +64,8 @@ class UniEPRoutedExperts(UniEPExperts, RoutedExperts):
     def __init__(self, config: Config):
         nn.Module.__init__(self)  # not RoutedExperts.__init__: it would build the token dispatcher
         self.inner_experts = config.inner_experts.build()
+        if config.uniep.schedule != "reference":
+            import titan_uniep.op  # noqa: F401  (registers torch.ops.uniep.moe_experts, for the SAC save list)
         # TorchTitan 0.3.0's grouped experts cast their GEMM operands to bf16
         # (models/common/moe.py, GroupedExperts.forward) whatever the parameters' dtype.
         self.configure(schedule=config.uniep.schedule, score_before_experts=False,

@@ -35,14 +35,20 @@ def parse_job(argv: list[str]):
 
     from titan_uniep.torchtitan.v0_3.toml import TomlConfigManager
 
+    from titan_uniep.torchtitan.v0_3.trainer import UniEPTrainer, validate
+
     path = config_file_arg(argv)
     args = without_config_file_arg(argv)
     if path is None:
-        return ConfigManager().parse_args(args)
-    toml = load_config_file(path)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    return TomlConfigManager(path, toml, text).parse_args(args)
+        config = ConfigManager().parse_args(args)
+    else:
+        toml = load_config_file(path)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        config = TomlConfigManager(path, toml, text).parse_args(args)
+    if isinstance(config, UniEPTrainer.Config):
+        validate(config)
+    return config
 
 
 def main() -> None:

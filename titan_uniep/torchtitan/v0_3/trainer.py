@@ -4,18 +4,16 @@
 (``titan_uniep.config.UniEP``: the same options and checks as the ``[uniep]``
 section of a 0.2.2 TOML), so every key is a CLI override as TorchTitan's own
 are (``--uniep.schedule fused``). Whenever the config is built (by its
-registry function, by TorchTitan's CLI parse, by ``build``), it
+registry function, by TorchTitan's CLI parse, by ``build``), it makes every
+routed-experts node of the model UniEP's with these options
+(``experts.apply_uniep``; with ``enable = false`` TorchTitan's own), so
+TorchTitan's own checks that follow see the experts that will run.
 
-1. makes every routed-experts node of the model UniEP's with these options
-   (``experts.apply_uniep``; with ``enable = false`` TorchTitan's own), so
-   TorchTitan's own checks that follow see the experts that will run;
-2. refuses, with the key and the fix, what UniEP cannot serve
-   (``validate``).
-
-``UniEPTrainer`` puts UniEP's op on the selective activation checkpointing
-save list (``UniEPSelectiveAC``), as TorchTitan does for its DeepEP ops, and,
-after TorchTitan has built and parallelized the model,
-names each UniEP layer by its FQN, checks the EP group's GPUs for the kernel
+``validate`` refuses, with the key and the fix, what UniEP cannot serve.
+``UniEPTrainer`` runs it first; puts UniEP's op on the selective activation
+checkpointing save list (``UniEPSelectiveAC``), as TorchTitan does for its
+DeepEP ops; and, after TorchTitan has built and parallelized the model, names
+each UniEP layer by its FQN, checks the EP group's GPUs for the kernel
 schedules, sizes their workspaces, applies ``[uniep] tuning``, installs the
 step counter, the bitwise guard and the ``UNIEP_TEST_*`` hooks, and records
 ``loss.jsonl`` on rank 0.
@@ -66,14 +64,17 @@ class UniEPSelectiveAC(SelectiveAC):
         return ops
 
 
-def validate(config: "UniEPTrainer.Config", moe_layers: int) -> None:
-    """Raise ValueError naming the key and the fix if UniEP cannot serve this job
-    (``moe_layers``: the model's routed-experts nodes). Needs the config only."""
+def validate(config: "UniEPTrainer.Config") -> None:
+    """Raise ValueError naming the key and the fix if UniEP cannot serve this job. Needs the config only.
+
+    The trainer runs it before it builds anything, and ``train.main`` right after
+    the parse (a ValueError raised inside TorchTitan's tyro parse would come out
+    as tyro's usage box instead of one line)."""
     cfg = config.uniep
     if not cfg.enable:
         return
     model = config.model_spec
-    if model is not None and moe_layers == 0:
+    if model is not None and not any(model.model.traverse(UniEPRoutedExperts.Config)):
         raise ValueError(
             f"uniep.enable = true, but model {model.name!r} flavor {model.flavor!r} has no MoE layers. "
             "Pick an MoE config (e.g. --module titan_uniep.torchtitan.v0_3 --config qwen3_debug_moe_uniep), "
@@ -141,13 +142,12 @@ class UniEPTrainer(UniEPSteps, Trainer):
         ``enable = true`` runs every MoE block's routed experts through UniEP."""
 
         def __post_init__(self) -> None:
-            moe_layers = 0
             if self.model_spec is not None:
-                moe_layers = apply_uniep(self.model_spec.model, self.uniep)
+                apply_uniep(self.model_spec.model, self.uniep)
             Trainer.Config.__post_init__(self)
-            validate(self, moe_layers)
 
     def __init__(self, config: Config):
+        validate(config)
         if config.uniep.enable and type(config.activation_checkpoint) is SelectiveAC.Config:
             # Here, not in the config: TorchTitan's CLI parse knows its own AC configs only.
             config.activation_checkpoint = derive(config.activation_checkpoint, UniEPSelectiveAC.Config)
