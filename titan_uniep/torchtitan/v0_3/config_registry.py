@@ -56,7 +56,8 @@ _OFF = UniEP()
 def _job(model_spec: ModelSpec, uniep: UniEP, *, ep: int, steps: int = 50, local_batch_size: int = 4,
          seq_len: int = 256) -> UniEPTrainer.Config:
     """The 0.2.2 TOMLs' job: AdamW 8e-4 with 2 warm-up steps and linear decay, bundled data,
-    fp32 master weights with bf16 compute, seed 7, deterministic, no activation checkpointing.
+    fp32 master weights with bf16 compute, seed 7, deterministic, no activation checkpointing;
+    checkpoints off, and full (optimizer, data loader, step) where ``--checkpoint.enable`` turns them on.
 
     CUDA graphs (TorchTitan's default) stay on except where a side syncs with the
     host: TorchTitan's all-to-all dispatcher at EP > 1 and UniEP's reference schedule."""
@@ -77,7 +78,7 @@ def _job(model_spec: ModelSpec, uniep: UniEP, *, ep: int, steps: int = 50, local
         training=TrainingConfig(local_batch_size=local_batch_size, seq_len=seq_len, steps=steps,
                                 mixed_precision_param="bfloat16", disable_cuda_graphs=not cuda_graphs),
         parallelism=ParallelismConfig(expert_parallel_degree=ep),
-        checkpoint=CheckpointManager.Config(enable=False),
+        checkpoint=CheckpointManager.Config(enable=False, last_save_model_only=False),
         activation_checkpoint=None,
         comm=CommConfig(init_timeout_seconds=300, train_timeout_seconds=120),
         debug=DebugConfig(seed=7, deterministic=True),
