@@ -30,6 +30,12 @@ def _experts(config) -> list:
     return [layer.moe.routed_experts for layer in config.model_spec.model.layers if layer.moe is not None]
 
 
+def test_the_hook_entry_hands_on_to_the_0_3_edge():
+    import titan_uniep.parallelize as hook
+
+    assert hook.UniEPRoutedExperts is UniEPRoutedExperts and callable(hook.uniep_routed_experts)
+
+
 def test_uniep_options_on_the_cli_reach_every_routed_experts_node():
     config = ConfigManager().parse_args([*MODULE, "--config", "qwen3_debug_moe_uniep", "--uniep.compute_dtype",
                                          "float32", "--uniep.guard", "check"])
