@@ -124,7 +124,8 @@ def test_toml_names_module_and_config_and_the_command_line_wins(tmp_path):
 @pytest.mark.parametrize("body,match", [
     ('[training]\nstesp = 3\n', r"job\.toml', line 4 \(training\.stesp\): stesp is not a key of training; did you "
                                 r"mean steps\?"),
-    ('[training]\nsteps = "ten"\n', r"line 4 \(training\.steps\): training\.steps = 'ten' is not a int\. Fix the value"),
+    ('[training]\nsteps = "ten"\n', r"line 4 \(training\.steps\): training\.steps = 'ten' is not of type int\. "
+                                  r"Fix the value"),
     ('[uniep]\nshedule = "fused"\n', r"line 4 \(uniep\.shedule\): shedule is not a key of uniep; did you mean "
                                      r"schedule\?"),
     ('[dump_folder]\nx = 1\n', r"line 3 \(dump_folder\): dump_folder is not a section"),

@@ -18,7 +18,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from training import REPO, RUN_TIMEOUT_S, RunTimedOut, run_in_own_group  # noqa: E402
+from training import RUN_TIMEOUT_S, RunTimedOut, run_in_own_group  # noqa: E402
 
 from titan_uniep.tools.compare_loss import compare, load_run  # noqa: E402
 

@@ -148,7 +148,7 @@ def apply_table(node: Any, table: dict, path: str, prefix: tuple[str, ...] = ())
                              f"(its type is {_describe(hints.get(key))}); write {key} = <value> under [{section}].")
         if not _matches(value, hints.get(key, Any)):
             raise ValueError(f"config file {path!r}, {_where(path, keys)}: {'.'.join(keys)} = {value!r} is not "
-                             f"a {_describe(hints.get(key))}. Fix the value.")
+                             f"of type {_describe(hints.get(key))}. Fix the value.")
         setattr(node, key, value)
 
 
