@@ -8,8 +8,8 @@ initialisation and EP sharding of its ``sharding_config``: checkpoints
 interchange with the baseline) and replaces the dispatcher and the grouped
 GEMMs with one UniEP schedule (``torch.ops.uniep.moe_experts`` for the kernel
 schedules), which dispatches, computes and combines. It builds no token
-dispatcher: UniEP's op has no host sync, so it runs under TorchTitan's CUDA
-graphs.
+dispatcher; the kernel schedules have no host sync, so they run under
+TorchTitan's CUDA graphs (the reference schedule syncs, see ``trainer.validate``).
 
 ``uniep_routed_experts`` is the ``@override(target=RoutedExperts.Config)``
 factory; ``apply_uniep`` applies it to every routed-experts node of a model
