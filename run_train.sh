@@ -19,7 +19,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # Fail at once, not after torchrun and TorchTitan have started (about 10 s on
 # 2 cores). A relative CONFIG_FILE is taken from the working directory, else
 # from this checkout (so CONFIG_FILE=train_configs/x.toml works from anywhere);
-# the relative paths inside the configs resolve the same way (titan_uniep.preflight).
+# the relative paths inside the configs resolve the same way (titan_uniep.torchtitan.preflight).
 if [[ ! -f "${CONFIG_FILE}" && "${CONFIG_FILE}" != /* && -f "${REPO_ROOT}/${CONFIG_FILE}" ]]; then
     CONFIG_FILE="${REPO_ROOT}/${CONFIG_FILE}"
 fi
@@ -30,15 +30,15 @@ if [[ ! -f "${CONFIG_FILE}" ]]; then
         "pass a train config, e.g. CONFIG_FILE=train_configs/deepseek_v3_debug_uniep.toml" >&2
     exit 2
 fi
+# Import titan_uniep from this checkout from any working directory, installed or not.
+export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+
 # The worker's first checks, with the standard library only (~0.1 s): TOML syntax,
 # [uniep] keys and values, NGPU against the [parallelism] degrees, of the file and
 # the overrides. It prints the job's dump folder, where torchrun keeps every rank's
 # output (not a /tmp/torchelastic_* folder per run).
-DUMP_FOLDER=$(python3 "${REPO_ROOT}/titan_uniep/preflight.py" "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@") \
+DUMP_FOLDER=$(python3 -m titan_uniep.torchtitan.preflight "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@") \
     || exit 2
-
-# Import titan_uniep from this checkout from any working directory, installed or not.
-export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 # The corpus and tokenizer are bundled; nothing may be downloaded at run time.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
@@ -54,9 +54,10 @@ else
     export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 fi
 
-# torchrun (torchrun.py: the same arguments; when a worker fails, a short report
-# ending with its error instead of torchrun's traceback). localhost:0 lets the
-# c10d rendezvous pick a free port, so runs never collide.
-exec python3 "${REPO_ROOT}/titan_uniep/torchrun.py" --nproc_per_node="${NGPU}" --rdzv_backend c10d \
+# torchrun (titan_uniep/torchtitan/torchrun.py: the same arguments; when a worker
+# fails, a short report ending with its error instead of torchrun's traceback).
+# localhost:0 lets the c10d rendezvous pick a free port, so runs never collide.
+# titan_uniep.torchtitan.train runs the trainer of the installed TorchTitan's edge.
+exec python3 -m titan_uniep.torchtitan.torchrun --nproc_per_node="${NGPU}" --rdzv_backend c10d \
     --rdzv_endpoint=localhost:0 --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
-    --log-dir "${DUMP_FOLDER}/logs" -m titan_uniep.train --job.config_file "${CONFIG_FILE}" "$@"
+    --log-dir "${DUMP_FOLDER}/logs" -m titan_uniep.torchtitan.train --job.config_file "${CONFIG_FILE}" "$@"

@@ -41,9 +41,9 @@ for step in $STEPS; do
             | tee "$OUT/tests.log" | tail -15
         [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench | bench_backward)
-        echo "== titan_uniep.$step, world size $NGPU"
+        echo "== titan_uniep.tools.$step, world size $NGPU"
         timeout "${BENCH_S:-300}" python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-            -m "titan_uniep.$step" "${shape_args[@]}" --check --warmup "${WARMUP:-3}" --reps "${REPS:-10}" \
+            -m "titan_uniep.tools.$step" "${shape_args[@]}" --check --warmup "${WARMUP:-3}" --reps "${REPS:-10}" \
             --json-out "$OUT/$step.jsonl" ${BENCH_EXTRA:-} > "$OUT/$step.log" 2>&1 || status=1
         grep -E "^\||Error|Traceback" "$OUT/$step.log" | cut -c1-300 | tail -20 ;;
     *) echo "unknown step $step (tests, bench, bench_backward)"; exit 2 ;;

@@ -40,7 +40,7 @@ for step in ${STEPS:-tests train}; do
                     --training.steps "$TRAIN_STEPS" --job.dump_folder "$OUT/${run}_$mode" "${extra[@]}" \
                     > "$OUT/${run}_$mode.log" 2>&1 || { status=1; tail -30 "$OUT/${run}_$mode.log"; }
             done
-            python3 -m titan_uniep.compare_loss "$OUT/baseline_$mode" "$OUT/uniep_$mode" --rtol "$RTOL" \
+            python3 -m titan_uniep.tools.compare_loss "$OUT/baseline_$mode" "$OUT/uniep_$mode" --rtol "$RTOL" \
                 --labels "baseline ($mode)" "uniep fused ($mode)" > "$OUT/compare_$mode.txt" 2>&1 || status=1
             tail -6 "$OUT/compare_$mode.txt"
         done ;;

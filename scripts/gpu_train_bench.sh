@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training on GPUs as users run it, from the repository root of a clean clone:
-# TorchTitan's baseline against UniEP with titan_uniep.bench_train (alternating
+# TorchTitan's baseline against UniEP with titan_uniep.tools.bench_train (alternating
 # runs, deterministic off), and the long runs that check the loss against the
 # baseline and the bits of the schedules and of a tuned point. Results go to
 # $OUT/<step>/ (default /tmp/uniep-train).
@@ -16,7 +16,7 @@
 #   profile           one UniEP qwen3 run with TorchTitan's profiler at step 10: GPU time by kernel
 #   long              the qwen3 pair for $LONG_STEPS steps (deterministic on): UniEP fused against the
 #                     baseline (relative loss difference), fused against sequential (bitwise)
-#   tuned             titan_uniep.tune --config on the qwen3 UniEP config, then $LONG_STEPS steps with
+#   tuned             titan_uniep.tools.tune --config on the qwen3 UniEP config, then $LONG_STEPS steps with
 #                     [uniep] tuning = "cached" against the default point's fused run (bitwise)
 #
 # TorchTitan and its pure-Python dependencies: installed already, or as wheels
@@ -45,7 +45,7 @@ bench() {  # bench NAME [bench_train options]
     local name=$1
     shift
     echo "== bench_train $name"
-    python3 -m titan_uniep.bench_train --ngpu "$NGPU" --steps "$BENCH_STEPS" --warmup "$WARMUP" --runs "$RUNS" \
+    python3 -m titan_uniep.tools.bench_train --ngpu "$NGPU" --steps "$BENCH_STEPS" --warmup "$WARMUP" --runs "$RUNS" \
         --out "$OUT/$name" "$@" ${OVERRIDES[@]+-- "${OVERRIDES[@]}"} || status=1
 }
 
@@ -76,20 +76,20 @@ for step in ${STEPS:-qwen3 deepseek}; do
         train train_configs/qwen3_30b_a3b_4l_baseline.toml "$OUT/long/baseline"
         train train_configs/qwen3_30b_a3b_4l_uniep.toml "$OUT/long/fused"
         train train_configs/qwen3_30b_a3b_4l_uniep.toml "$OUT/long/sequential" --uniep.schedule sequential
-        python3 -m titan_uniep.compare_loss "$OUT/long/baseline" "$OUT/long/fused" --rtol 1e-2 \
+        python3 -m titan_uniep.tools.compare_loss "$OUT/long/baseline" "$OUT/long/fused" --rtol 1e-2 \
             --labels baseline "uniep fused" --plot "$OUT/long/fused_vs_baseline.png" | tail -8 || status=1
-        python3 -m titan_uniep.compare_loss "$OUT/long/sequential" "$OUT/long/fused" --assert-bitwise \
+        python3 -m titan_uniep.tools.compare_loss "$OUT/long/sequential" "$OUT/long/fused" --assert-bitwise \
             --labels sequential fused --plot "$OUT/long/fused_vs_sequential.png" | tail -4 || status=1 ;;
     tuned)
         mkdir -p "$OUT/tuned"
-        python3 -m titan_uniep.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml --cache "$OUT/tuned/tuning.json" \
+        python3 -m titan_uniep.tools.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml --cache "$OUT/tuned/tuning.json" \
             --no-progress > "$OUT/tuned/tune.log" 2>&1 || { status=1; tail -30 "$OUT/tuned/tune.log"; }
         grep -E "^entry|searched in|refused|BITWISE" "$OUT/tuned/tune.log"
         [ -d "$OUT/long/fused" ] || train train_configs/qwen3_30b_a3b_4l_uniep.toml "$OUT/long/fused"
         train train_configs/qwen3_30b_a3b_4l_uniep.toml "$OUT/tuned/fused" --uniep.tuning cached \
             --uniep.tuning_cache "$OUT/tuned/tuning.json"
         grep -E "UniEP tuning|tuned point|cached" "$OUT/tuned/fused.log" | head -5
-        python3 -m titan_uniep.compare_loss "$OUT/long/fused" "$OUT/tuned/fused" --assert-bitwise \
+        python3 -m titan_uniep.tools.compare_loss "$OUT/long/fused" "$OUT/tuned/fused" --assert-bitwise \
             --labels default tuned --plot "$OUT/tuned/tuned_vs_default.png" | tail -4 || status=1 ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac

@@ -62,7 +62,7 @@ train baseline_from_uniep "$BASELINE" $(resume_from uniep) || fail "baseline fro
 python3 - "$OUT" <<'EOF' || fail "a resumed curve differs from the uninterrupted one"
 import sys
 from pathlib import Path
-from titan_uniep.compare_loss import compare, load_run
+from titan_uniep.tools.compare_loss import compare, load_run
 out, ok = Path(sys.argv[1]), True
 # (uninterrupted, resumed, rtol): 0 is bitwise; 2e-2 is the bf16 tolerance against the baseline (docs/performance.md).
 for a, b, rtol in (("uniep", "uniep_from_uniep", 0), ("baseline", "uniep_from_baseline", 2e-2),

@@ -3,7 +3,7 @@
 # clone, in about 10 minutes of wall time:
 #
 #   calibrate  the tuning model's hardware constants (titan_uniep.tuning.calibrate)
-#   tune       python -m titan_uniep.tune on the five tuning shapes at EP 1
+#   tune       python -m titan_uniep.tools.tune on the five tuning shapes at EP 1
 #              (titan_uniep.shapes.TUNING_SHAPES), into $WORK/tuning.json
 #   report     bench --check --report and bench_backward --check --report on
 #              the same shapes: TorchTitan, UniEP default and tuned, GEMM-only,
@@ -77,7 +77,7 @@ for step in $STEPS; do
         tail -5 "$WORK/calibrate.log" ;;
     tune)
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
-        timeout "$(budget "${TUNE_S:-420}")" python3 -m titan_uniep.tune "${shape_args[@]}" --top "${TOP:-3}" \
+        timeout "$(budget "${TUNE_S:-420}")" python3 -m titan_uniep.tools.tune "${shape_args[@]}" --top "${TOP:-3}" \
             --warmup "${WARMUP:-2}" --reps "${REPS:-5}" --rounds "${ROUNDS:-2}" --confirm-rounds "${CONFIRM_ROUNDS:-4}" ${CONSTANTS[@]+"${CONSTANTS[@]}"} \
             --cache "$WORK/tuning.json" --json-out "$WORK/tune.jsonl" > "$WORK/tune.log" 2>&1 || status=1
         grep -E "^==|^\||picked|entry:|BROKEN|Error|wrote|seconds" "$WORK/tune.log" | cut -c1-220 | tail -60 ;;
@@ -85,7 +85,7 @@ for step in $STEPS; do
         [ -f "$WORK/constants.json" ] && CONSTANTS=(--constants "$WORK/constants.json")
         for bench in bench bench_backward; do
             timeout "$(budget "${REPORT_S:-100}")" python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
-                -m "titan_uniep.$bench" "${shape_args[@]}" --check --report "$WORK/report" \
+                -m "titan_uniep.tools.$bench" "${shape_args[@]}" --check --report "$WORK/report" \
                 --tuned-cache "$WORK/tuning.json" ${CONSTANTS[@]+"${CONSTANTS[@]}"} --warmup "${WARMUP:-2}" --reps "${REPS:-5}" \
                 --json-out "$WORK/$bench.jsonl" > "$WORK/$bench.log" 2>&1 || status=1
             grep -E "^\||CHECK FAILED|Error|Traceback" "$WORK/$bench.log" | cut -c1-300 | tail -20

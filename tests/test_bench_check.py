@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from titan_uniep.accuracy import LIMITS, enforce, failures, rel_diff
-from titan_uniep.bench import forward_stats
+from titan_uniep.tools.bench import forward_stats
 from titan_uniep.oracle import float64_moe_backward_oracle, float64_moe_oracle, layout_oracle_forward
-from titan_uniep.report import write_report
+from titan_uniep.tools.report import write_report
 
 BF16 = LIMITS["forward"]["bf16"]
 

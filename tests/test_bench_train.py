@@ -1,5 +1,10 @@
-"""titan_uniep.bench_train: options, commands, statistics and report on synthetic runs; then
+"""titan_uniep.tools.bench_train: options, commands, statistics and report on synthetic runs; then
 the tool end to end on CPU (the EP = 1 tiny pair of test_train_ep1_cpu.py), and a failing run."""
+
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
 
 import json
 import os
@@ -8,12 +13,11 @@ import statistics
 import sys
 from pathlib import Path
 
-import pytest
 from test_train_ep1_cpu import CPU_OVERRIDES, UNIEP_VS_BASELINE_RTOL
 from training import REPO, run_in_own_group
 
-from titan_uniep import bench_train
-from titan_uniep.bench_train import (
+from titan_uniep.tools import bench_train
+from titan_uniep.tools.bench_train import (
     Report, loss_difference, main, parse_args, plan_runs, read_records, record_run, run_stats, side_summary,
     tps_ratio,
 )
@@ -212,7 +216,7 @@ def test_report_tables_json_lines_and_plots_come_from_the_runs_records(tmp_path)
 
 def _bench(tmp_path, *argv, timeout_s=300):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "titan_uniep.bench_train", *EP1_PAIR, "--ngpu", "1", "--out", str(tmp_path / "out"),
+    cmd = [sys.executable, "-m", "titan_uniep.tools.bench_train", *EP1_PAIR, "--ngpu", "1", "--out", str(tmp_path / "out"),
            *argv]
     return run_in_own_group(cmd, env=env, timeout_s=timeout_s)
 

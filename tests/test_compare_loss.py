@@ -1,4 +1,4 @@
-"""titan_uniep.compare_loss: parsing, verdicts and exit codes (no training)."""
+"""titan_uniep.tools.compare_loss: parsing, verdicts and exit codes (no training)."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from titan_uniep.compare_loss import compare, load_run, main
+from titan_uniep.tools.compare_loss import compare, load_run, main
 
 LOSSES = [8.080501556396484, 7.932784557342529, 7.349606513977051]
 
@@ -147,7 +147,7 @@ def test_plot_is_named_after_both_runs_in_run_bs_folder(tmp_path):
     (("--rtol", "1e-5"), "base vs uniep: NOT bitwise equal; rtol=1e-05 atol=0: EXCEEDED\n"),
 ])
 def test_plot_title_carries_the_verdict(tmp_path, monkeypatch, args, verdict):
-    from titan_uniep import compare_loss
+    from titan_uniep.tools import compare_loss
 
     titles = []
     monkeypatch.setattr(compare_loss, "plot", lambda *a, **kw: titles.append(a[5]))

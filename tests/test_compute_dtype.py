@@ -14,14 +14,18 @@ is tested in test_op.py (interpreter) and on the GPU (tests/gpu).
 from __future__ import annotations
 
 import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import torch
 import torch.distributed as dist
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_uniep import compute_dtype
 from titan_uniep.config import UniEP
-from titan_uniep.cpu import apply_cpu_shims
-from titan_uniep.parallelize import _swap_to_uniep
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 from titan_uniep.schedules import get_schedule, register_schedule
 
 DIM, HIDDEN, EXPERTS = 32, 16, 4

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import copy
 import textwrap
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -13,9 +17,9 @@ from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
-import titan_uniep  # noqa: F401  (registers the *_uniep train specs)
 from titan_uniep.config import UniEP
-from titan_uniep.parallelize import validate
+from titan_uniep.torchtitan import v0_2  # registers the *_uniep train specs
+from titan_uniep.torchtitan.v0_2.parallelize import validate
 
 
 def _parse(tmp_path, body: str, *cli: str):
@@ -28,7 +32,7 @@ HEADER = """
 [job]
 custom_config_module = "titan_uniep.config"
 [experimental]
-custom_import = "titan_uniep"
+custom_import = "titan_uniep.torchtitan.v0_2"
 [model]
 name = "deepseek_v3_uniep"
 flavor = "debugmodel"
@@ -89,8 +93,8 @@ def test_expert_parallel_degree_1_is_served_with_a_one_rank_group(tmp_path):
     """EP = 1: TorchTitan shards no experts; the hook gives every MoE layer's
     experts this rank's own group (here the whole one-process world), and the
     kernel schedules pass validation also without CUDA (Triton's interpreter)."""
-    from titan_uniep.moe import UniEPGroupedExperts
-    from titan_uniep.parallelize import moe_layers, one_rank_group
+    from titan_uniep.torchtitan.v0_2.moe import UniEPGroupedExperts
+    from titan_uniep.torchtitan.v0_2.parallelize import moe_layers, one_rank_group
 
     job = _job(tmp_path, "qwen3_uniep", "debugmodel_moe_tiny", extra='schedule = "fused"\n')
     job.training.mixed_precision_param = "float32"  # the interpreter computes in fp32 only
@@ -151,7 +155,7 @@ def test_disabled_uniep_calls_only_the_base_parallelize(tmp_path):
     spec = get_train_spec("qwen3_uniep")
     calls = []
     base = spec.parallelize_fn.__wrapped__
-    from titan_uniep.parallelize import wrap_parallelize_fn
+    from titan_uniep.torchtitan.v0_2.parallelize import wrap_parallelize_fn
 
     wrapped = wrap_parallelize_fn(lambda m, d, j: calls.append((m, d, j)) or m)
     job = _parse(tmp_path, HEADER + "[uniep]\nenable = false\n")
@@ -163,7 +167,7 @@ def test_disabled_uniep_calls_only_the_base_parallelize(tmp_path):
 
 
 def test_uniep_train_specs_are_registered():
-    for name, base in titan_uniep.UNIEP_MODELS.items():
+    for name, base in v0_2.UNIEP_MODELS.items():
         spec, base_spec = get_train_spec(name), get_train_spec(base)
         assert spec.model_cls is base_spec.model_cls
         assert spec.model_args is base_spec.model_args
@@ -177,7 +181,7 @@ def test_defaults_are_off():
 
 def _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus):
     """A fused-schedule job whose EP group's GPUs are ``gpus`` (the probe needs CUDA; here it is replaced)."""
-    from titan_uniep import parallelize
+    from titan_uniep.torchtitan.v0_2 import parallelize
 
     job = _job(tmp_path, extra='schedule = "fused"\n')
     spec, model = _model("deepseek_v3_uniep", "debugmodel", job)
@@ -187,7 +191,7 @@ def _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus):
 
 
 def test_fused_ep_group_spanning_hosts_is_refused(tmp_path, monkeypatch):
-    from titan_uniep.parallelize import EPGPU
+    from titan_uniep.torchtitan.v0_2.parallelize import EPGPU
 
     gpus = [EPGPU(0, "node-a", ()), EPGPU(1, "node-b", ())]
     run = _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus)
@@ -197,7 +201,7 @@ def test_fused_ep_group_spanning_hosts_is_refused(tmp_path, monkeypatch):
 
 
 def test_fused_ep_group_without_peer_access_is_refused(tmp_path, monkeypatch):
-    from titan_uniep.parallelize import EPGPU
+    from titan_uniep.torchtitan.v0_2.parallelize import EPGPU
 
     gpus = [EPGPU(0, "node-a", ()), EPGPU(1, "node-a", (0,))]  # rank 1's GPU cannot map rank 0's
     run = _fused_job_on_probed_gpus(tmp_path, monkeypatch, gpus)
@@ -207,7 +211,7 @@ def test_fused_ep_group_without_peer_access_is_refused(tmp_path, monkeypatch):
 
 
 def test_ep_group_on_one_host_with_peer_access_passes_the_check():
-    from titan_uniep.parallelize import EPGPU, check_ep_gpus
+    from titan_uniep.torchtitan.v0_2.parallelize import EPGPU, check_ep_gpus
 
     check_ep_gpus(UniEP(enable=True, schedule="fused"), [EPGPU(r, "node-a", ()) for r in range(4)])
 

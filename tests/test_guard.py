@@ -6,11 +6,15 @@ step, strict mode stopping both processes) is in test_train_cpu.py.
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import json
 import logging
 import os
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.device_mesh import init_device_mesh
@@ -19,9 +23,9 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from distributed import run_distributed
 from titan_uniep.config import UniEP
-from titan_uniep.cpu import apply_cpu_shims
-from titan_uniep.moe import BitwiseGuard
-from titan_uniep.parallelize import UniEPExpertParallel, _swap_to_uniep
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.layer import BitwiseGuard
+from titan_uniep.torchtitan.v0_2.parallelize import UniEPExpertParallel, _swap_to_uniep
 from titan_uniep.schedules import register_schedule
 from titan_uniep.schedules.reference import reference_schedule
 
@@ -147,7 +151,7 @@ def test_check_guard_compares_without_reading_values_on_the_host(planted, caplog
         again.view(torch.int32)[2, 3] ^= 1
     with _ForbidHostSyncs():
         guard.compare(out, again, "layers.3.moe.experts", None)
-    with caplog.at_level(logging.INFO, logger="titan_uniep.moe"):
+    with caplog.at_level(logging.INFO, logger="titan_uniep.torchtitan.layer"):
         guard.poll()  # the next step's first forward: the verdict is logged here
     assert guard.checks == 1 and guard.mismatches == int(planted)
     [record] = [r for r in caplog.records if "UniEP guard" in r.getMessage()]

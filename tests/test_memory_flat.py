@@ -1,10 +1,10 @@
-"""titan_uniep.memory_flat on synthetic loss files (the GPU runs write real ones)."""
+"""titan_uniep.tools.memory_flat on synthetic loss files (the GPU runs write real ones)."""
 
 import json
 
 import pytest
 
-from titan_uniep.memory_flat import main, spread
+from titan_uniep.tools.memory_flat import main, spread
 
 MIB = 2**20
 

@@ -7,11 +7,15 @@ other (bf16 tolerance in bf16, 1e-6 in float32). Forward and every gradient.
 
 from __future__ import annotations
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import copy
 import json
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,8 +25,8 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from distributed import run_distributed
-from titan_uniep.cpu import apply_cpu_shims
-from titan_uniep.parallelize import UniEPExpertParallel, _swap_to_uniep
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.parallelize import UniEPExpertParallel, _swap_to_uniep
 from titan_uniep.config import UniEP
 
 DIM, HIDDEN, EXPERTS = 64, 32, 8

@@ -19,6 +19,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
 
 import pytest
+from torchtitan_release import torchtitan_0_2
 import torch
 import torch.distributed as dist
 import triton.language as tl
@@ -184,6 +185,7 @@ def test_interpreted_op_refuses_bf16_naming_the_fix(group, poisoned_memory):
     assert not op._workspaces
 
 
+@torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap
 def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory):
     """A TorchTitan MoE (router, shared expert, load-balancing buffer) swapped to
     UniEP, schedule "fused" on the one-rank group, compiled in one graph
@@ -191,8 +193,8 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.cpu import apply_cpu_shims
-    from titan_uniep.parallelize import _swap_to_uniep
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
     apply_cpu_shims()  # int histc of TorchTitan's router on CPU
     torch.manual_seed(31)
@@ -224,6 +226,7 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
         assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
 
 
+@torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap
 def test_float32_compute_of_bf16_parameters_runs_the_kernels_in_fp32_and_returns_bf16(group, poisoned_memory):
     """``[uniep] compute_dtype = "float32"`` on bf16 parameters (FSDP mixed
     precision): the op gets fp32 tokens and weights (an fp32 workspace), the
@@ -232,8 +235,8 @@ def test_float32_compute_of_bf16_parameters_runs_the_kernels_in_fp32_and_returns
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.cpu import apply_cpu_shims
-    from titan_uniep.parallelize import _swap_to_uniep
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
     apply_cpu_shims()
     torch.manual_seed(43)

@@ -1,7 +1,12 @@
-"""titan_uniep.preflight and run_train.sh: a job that cannot run fails before TorchTitan builds anything,
+"""titan_uniep.torchtitan.preflight and run_train.sh: a job that cannot run fails before TorchTitan builds anything,
 with a message naming the key and the fix; the configs run from any working directory."""
 
 from __future__ import annotations
+
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
 
 import json
 import os
@@ -11,9 +16,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 
-from titan_uniep import preflight as pf
+from titan_uniep.torchtitan import preflight as pf
 
 REPO = Path(__file__).resolve().parents[1]
 UNIEP_CONFIG = REPO / "train_configs" / "deepseek_v3_debug_uniep.toml"
@@ -21,13 +25,13 @@ BASELINE_CONFIG = REPO / "train_configs" / "deepseek_v3_debug_baseline.toml"
 
 
 def test_missing_config_file_stops_train_main_before_torchtitan(tmp_path, monkeypatch):
-    from titan_uniep import train
+    from titan_uniep.torchtitan.v0_2 import train
 
     def torchtitan_main(trainer_class):
         raise AssertionError("TorchTitan started on a missing config file")
 
     monkeypatch.setattr(train, "torchtitan_main", torchtitan_main)
-    monkeypatch.setattr(sys, "argv", ["titan_uniep.train", "--job.config_file", str(tmp_path / "nope.toml")])
+    monkeypatch.setattr(sys, "argv", ["titan_uniep.torchtitan.train", "--job.config_file", str(tmp_path / "nope.toml")])
     error_file = tmp_path / "error.json"  # torchrun names one per worker
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     with pytest.raises(SystemExit) as exit_info:
@@ -49,7 +53,7 @@ UNIEP_SECTION = """
 [job]
 custom_config_module = "titan_uniep.config"
 [experimental]
-custom_import = "titan_uniep"
+custom_import = "titan_uniep.torchtitan.v0_2"
 [model]
 name = "deepseek_v3_uniep"
 flavor = "debugmodel"
@@ -200,14 +204,14 @@ def test_bundled_tokenizer_path_resolves_from_any_working_directory(tmp_path, mo
 
 
 def test_ngpu_mismatch_stops_train_main_before_torchtitan(monkeypatch):
-    from titan_uniep import train
+    from titan_uniep.torchtitan.v0_2 import train
 
     def torchtitan_main(trainer_class):
         raise AssertionError("TorchTitan started with 1 rank for an EP 2 config")
 
     monkeypatch.setattr(train, "torchtitan_main", torchtitan_main)
     monkeypatch.setenv("WORLD_SIZE", "1")  # as torchrun sets it for NGPU=1
-    monkeypatch.setattr(sys, "argv", ["titan_uniep.train", "--job.config_file", str(UNIEP_CONFIG)])
+    monkeypatch.setattr(sys, "argv", ["titan_uniep.torchtitan.train", "--job.config_file", str(UNIEP_CONFIG)])
     with pytest.raises(SystemExit) as exit_info:
         train.main()
     assert "error: NGPU (WORLD_SIZE) = 1 does not fit" in str(exit_info.value.code)
@@ -242,9 +246,10 @@ def _run_train(cwd: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.
     (its preflight runs in the real Python)."""
     stub = tmp_path / "bin" / "python3"
     stub.parent.mkdir(exist_ok=True)
-    # "-c": run_train.sh's CUDA probe (answer: no GPU); preflight.py: its checks, for real;
+    # "-c": run_train.sh's CUDA probe (answer: no GPU); "-m ...preflight": its checks, for real;
     # anything else: the torchrun launch.
-    stub.write_text(f'#!/bin/sh\ncase "$1" in -c) exit 1;; */preflight.py) exec {sys.executable} "$@";; esac\n'
+    stub.write_text(f'#!/bin/sh\ncase "$1 $2" in "-c "*) exit 1;; "-m titan_uniep.torchtitan.preflight") '
+                    f'exec {sys.executable} "$@";; esac\n'
                     'printf "%s\\n" "$@" > "$LAUNCH_ARGS"\n')
     stub.chmod(0o755)
     environ = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE")}
@@ -313,7 +318,8 @@ def test_run_train_keeps_torchruns_logs_in_the_dump_folder(tmp_path):
     proc = _run_train(tmp_path, tmp_path, "--job.dump_folder", "out/x", NGPU="2", CONFIG_FILE=str(UNIEP_CONFIG))
     assert proc.returncode == 0, proc.stderr[-2000:]
     args = (tmp_path / "args").read_text().splitlines()
-    assert args[0].endswith("titan_uniep/torchrun.py") and args[args.index("--log-dir") + 1] == "out/x/logs", args
+    assert args[:2] == ["-m", "titan_uniep.torchtitan.torchrun"], args
+    assert args[args.index("--log-dir") + 1] == "out/x/logs", args
 
 
 @pytest.mark.slow
@@ -331,7 +337,7 @@ def test_a_workers_start_up_error_is_the_last_thing_printed_without_torchruns_tr
     assert lines[-2:] == ["rank 0 failed first (exit code 1):",
                           f"[uniep] tuning_cache: tuning cache {foreign} is not a 'titan_uniep tuning cache' file "
                           "(no matching 'format' field). Set [uniep] tuning_cache to a file written by "
-                          "`python -m titan_uniep.tune` (or to a path that does not exist yet), or tuning = \"off\"."
+                          "`python -m titan_uniep.tools.tune` (or to a path that does not exist yet), or tuning = \"off\"."
                           ], proc.stderr
     assert lines[-3] == f"every rank's output: {tmp_path / 'run' / 'logs'}", proc.stderr
     assert list((tmp_path / "run" / "logs").glob("*/attempt_0/0/stderr.log")), "no rank log"

@@ -32,6 +32,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from torchtitan_release import torchtitan_0_2
 import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -222,12 +223,14 @@ def test_silent_rank_stops_every_rank_with_the_root_cause():
         second
 
 
+@torchtitan_0_2  # the 0.2.2 edge's trainer
 def test_lazy_check_reports_the_failure_at_the_next_call_and_at_the_step_end(monkeypatch):
     """The fused path's lazy check: the failing call returns (no host sync),
     its output holds rows no reduce task wrote, and the failure is raised by
     the next call's poll and by the trainer's per-step check, on every rank
     with the root cause."""
-    from titan_uniep import op, train
+    from titan_uniep import op
+    from titan_uniep.torchtitan.v0_2 import train
 
     w = make_world(2, 8, 3, [6, 6], seed=31)
     params = interpreter_params(debug_silent_rank=1, interpreter_max_spins=3)

@@ -10,7 +10,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_uniep"
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(unresolved: list[str] | None = None) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports; ``unresolved`` collects
+    ``module: target`` for each import of a ``titan_uniep`` module that does not exist."""
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -31,7 +33,16 @@ def _import_graph() -> dict[str, set[str]]:
             else:
                 continue
             graph[name].update(t for t in targets if t in modules and t != name)
+            if unresolved is not None and targets[0].startswith("titan_uniep") and targets[0] not in modules:
+                unresolved.append(f"{name}: {targets[0]}")
     return graph
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    # A module moved without its importers (absolute or relative) fails only when that line runs.
+    unresolved = []
+    _import_graph(unresolved)
+    assert not unresolved, f"imports of modules that do not exist: {unresolved}"
 
 
 def test_no_circular_imports():
@@ -82,3 +93,30 @@ def test_reference_schedule_loads_no_kernels(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED [] TRITON_INTERPRET None" in proc.stdout, proc.stdout[-2000:]
+
+
+CORE_IMPORT = """
+import sys
+import titan_uniep, titan_uniep.config, titan_uniep.torchtitan, titan_uniep.layout, titan_uniep.schedules
+print("LOADED", sorted({m.split(".")[0] for m in sys.modules} & {"torchtitan", "triton"}))
+"""
+
+
+def test_the_core_imports_no_torchtitan():
+    # The core is usable without TorchTitan; run_train.sh's preflight imports titan_uniep.torchtitan too.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", CORE_IMPORT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED []" in proc.stdout, proc.stdout
+
+
+def test_an_unsupported_torchtitan_is_named_with_the_supported_ones():
+    import pytest
+
+    from titan_uniep.torchtitan import EDGES, edge_module
+
+    assert edge_module("0.2.2+cpu") == EDGES["0.2.2"] == "titan_uniep.torchtitan.v0_2"
+    assert edge_module("0.3.0") == "titan_uniep.torchtitan.v0_3"
+    with pytest.raises(RuntimeError, match=r"TorchTitan 0\.4\.0 is installed, but UniEP supports torchtitan==0\.2\.2 "
+                                           r"or torchtitan==0\.3\.0\. Install a supported release"):
+        edge_module("0.4.0")

@@ -23,9 +23,9 @@ def _script(name: str):
 
 
 TOOLS = {
-    "titan_uniep.bench": lambda: importlib.import_module("titan_uniep.bench").build_parser(),
-    "titan_uniep.bench_backward": lambda: importlib.import_module("titan_uniep.bench_backward").build_parser(),
-    "titan_uniep.tune": lambda: importlib.import_module("titan_uniep.tune").build_parser(),
+    "titan_uniep.tools.bench": lambda: importlib.import_module("titan_uniep.tools.bench").build_parser(),
+    "titan_uniep.tools.bench_backward": lambda: importlib.import_module("titan_uniep.tools.bench_backward").build_parser(),
+    "titan_uniep.tools.tune": lambda: importlib.import_module("titan_uniep.tools.tune").build_parser(),
     "scripts/probe.py": lambda: _script("probe").build_parser(),
     "scripts/stage_times.py": lambda: _script("stage_times").build_parser(),
     "scripts/variant_report.py": lambda: _script("variant_report").build_parser(),
@@ -56,7 +56,7 @@ def test_no_tool_keeps_another_shape_syntax(tool):
 
 
 def test_a_given_shape_replaces_the_default_shapes():
-    parser = TOOLS["titan_uniep.bench_backward"]()
+    parser = TOOLS["titan_uniep.tools.bench_backward"]()
     assert [name for name, _ in parser.parse_args([]).shapes] == ["qwen3", "deepseek"]
     assert [name for name, _ in parser.parse_args(["--shape", "mixtral"]).shapes] == ["mixtral"]
 

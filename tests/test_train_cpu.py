@@ -8,6 +8,11 @@ On a 2-core machine a step takes about 5 s and a launch (start-up, checkpoint
 load, teardown) about 20 s: launches, not steps, are what to save.
 """
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import json
 import math
 import re
@@ -15,10 +20,9 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
-from titan_uniep.compare_loss import compare, load_run
+from titan_uniep.tools.compare_loss import compare, load_run
 from titan_uniep.testing import check_recorded_layers
 from training import BASELINE, UNIEP, RunTimedOut, run_in_own_group, train
 

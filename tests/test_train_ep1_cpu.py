@@ -9,15 +9,19 @@ TorchTitan's own MoE; both runs start together (one process each, one core
 each).
 """
 
+import pytest
+from torchtitan_release import requires_torchtitan
+
+requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
+
 import math
 import os
 import signal
 import subprocess
 from pathlib import Path
 
-import pytest
 
-from titan_uniep.compare_loss import compare, load_run
+from titan_uniep.tools.compare_loss import compare, load_run
 
 pytestmark = pytest.mark.slow
 

@@ -13,6 +13,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+from torchtitan_release import torchtitan_0_2
 import torch
 
 from titan_uniep.config import UniEP
@@ -184,7 +185,7 @@ def test_missing_cache_file_runs_the_defaults_with_one_warning_per_shape(tmp_pat
 
 
 def test_unreadable_or_foreign_cache_file_is_an_error_naming_the_key(tmp_path):
-    fix = r"\. Set \[uniep\] tuning_cache to a file written by `python -m titan_uniep\.tune`"
+    fix = r"\. Set \[uniep\] tuning_cache to a file written by `python -m titan_uniep\.tools\.tune`"
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"\[uniep\] tuning_cache: tuning cache .*broken\.json is not JSON.*" + fix):
         selection.TuningPolicy.from_config("search", str(tmp_path / "broken.json"))
@@ -239,7 +240,7 @@ HEADER = """
 [job]
 custom_config_module = "titan_uniep.config"
 [experimental]
-custom_import = "titan_uniep"
+custom_import = "titan_uniep.torchtitan.v0_2"
 [model]
 name = "deepseek_v3_uniep"
 flavor = "debugmodel"
@@ -253,6 +254,7 @@ flavor = "debugmodel"
                           r"none\. Set schedule = \"fused\""),
     ('tuning = "search"\nschedule = "fused"\ntuning_cache = 3', r"\[uniep\] tuning_cache must be a file path"),
 ])
+@torchtitan_0_2  # a TorchTitan 0.2.2 TOML through its config manager
 def test_tuning_keys_are_validated_with_the_fix(tmp_path, lines, match):
     from torchtitan.config import ConfigManager
 

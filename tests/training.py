@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_uniep.compare_loss import load_run
+from titan_uniep.tools.compare_loss import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "train_configs/deepseek_v3_debug_baseline.toml"
@@ -68,7 +68,7 @@ class TrainRun:
         return load_run(self.dump_folder).losses
 
     def failures(self) -> dict[int, str]:
-        """The launcher's failure report (``titan_uniep.torchrun``), by rank: each failed
+        """The launcher's failure report (``titan_uniep.torchtitan.torchrun``), by rank: each failed
         rank's exit status (``exit code N`` or ``signal SIGTERM``) and what it recorded
         before exiting (present even when torchrun stopped it afterwards): the first
         rank's error in full, the others' first line or ``the same error``."""

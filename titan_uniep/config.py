@@ -77,7 +77,7 @@ class UniEP:
     """Which kernel parameters (``titan_uniep.params.LayerParams``) each MoE
     layer runs with; no tuning changes a bit. ``"off"``: the shipped defaults.
     ``"cached"``: the entry of the layer's shape in ``tuning_cache``, written
-    by ``python -m titan_uniep.tune``; a shape without an entry, or with only
+    by ``python -m titan_uniep.tools.tune``; a shape without an entry, or with only
     entries measured on another GPU, EP size or kernel version, runs the
     defaults, with one warning per shape saying why. ``"search"``: measure the
     best candidates of every MoE shape of the run at start-up (GPU only, up to

@@ -36,7 +36,7 @@ parallelize hook from the job's batch and sequence length), with the
 Errors: the fused path checks its workspace's error words without a host
 sync (``Workspace.poll_errors``), so a failure may surface only some calls
 later; ``raise_pending_errors()`` checks every workspace once, and the
-trainer (``titan_uniep.train``) calls it at the end of every training step,
+trainer (``titan_uniep.torchtitan.train``) calls it at the end of every training step,
 on every rank, so a layer output that no reduce task wrote is never
 consumed past that step.
 """

@@ -3,7 +3,7 @@
 They are no config keys: a train config cannot switch them on by accident.
 This module is the one place that reads them; the parallelize hook hands
 the parsed hooks to every UniEP MoE layer and logs a warning when any is
-set. Steps are 1-based training steps (``titan_uniep.moe.StepCounter``).
+set. Steps are 1-based training steps (``titan_uniep.torchtitan.layer.StepCounter``).
 
 - ``UNIEP_TEST_ONE_EXPERT_STEP=N``: at step N every token of every rank is
   routed to experts ``0, 1, ..., K-1`` (the router's scores are kept, its

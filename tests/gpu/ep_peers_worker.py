@@ -1,4 +1,4 @@
-"""The EP-group probe of ``titan_uniep.parallelize`` on real GPUs (one process per GPU).
+"""The EP-group probe of ``titan_uniep.torchtitan.v0_2.parallelize`` on real GPUs (one process per GPU).
 
 Launched by ``test_gpu_ep_peers.py`` as
 ``torchrun --standalone --nproc_per_node N tests/gpu/ep_peers_worker.py``:
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 
 from titan_uniep.config import UniEP
-from titan_uniep.parallelize import _probe_ep_gpus, check_ep_gpus
+from titan_uniep.torchtitan.v0_2.parallelize import _probe_ep_gpus, check_ep_gpus
 
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 dist.init_process_group("nccl")

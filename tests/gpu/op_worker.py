@@ -123,7 +123,7 @@ def main():
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.parallelize import _swap_to_uniep
+    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
     torch.manual_seed(5)
     args = MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=TOP_K, score_func="softmax", route_norm=True,

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from titan_uniep.moe import BitwiseGuard
+from titan_uniep.torchtitan.layer import BitwiseGuard
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ def test_check_guard_compare_runs_under_sync_debug_error(planted, caplog):
     if planted:
         again.view(torch.int16)[100, 7] ^= 1
     torch.cuda.synchronize()
-    with caplog.at_level(logging.INFO, logger="titan_uniep.moe"):
+    with caplog.at_level(logging.INFO, logger="titan_uniep.torchtitan.layer"):
         torch.cuda.set_sync_debug_mode("error")
         try:
             guard.compare(out, again, "layers.1.moe.experts", None)

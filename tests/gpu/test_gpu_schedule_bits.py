@@ -183,7 +183,7 @@ def test_tuner_refuses_to_cache_a_point_that_changes_bits(one_rank_group, monkey
     other bits with scores after the experts; the one-field check shows it on
     every GPU shape) planted as both directions' choice: the search caches
     nothing and its refusal names the field and the tensors."""
-    from titan_uniep import tune
+    from titan_uniep.tools import tune
 
     layer = tune.MoELayer("planted", 512, 576, 744, 20, 4)
     default = default_params(1, hidden=layer.hidden)

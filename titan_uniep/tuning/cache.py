@@ -1,6 +1,6 @@
 """The measured-tuning cache: one JSON file of tuned ``LayerParams`` per layer shape.
 
-``python -m titan_uniep.tune`` writes it; ``[uniep] tuning = "cached"`` (and
+``python -m titan_uniep.tools.tune`` writes it; ``[uniep] tuning = "cached"`` (and
 ``"search"``, after measuring) reads it, as do ``bench --report`` and
 ``bench --tuned-cache``. It is plain JSON (``json.load``, never unpickled),
 indented, one entry per tuned layer, meant to be read and diffed by people::
@@ -207,7 +207,7 @@ def load(path: str | os.PathLike) -> list[CacheEntry]:
         raise ValueError(f"tuning cache {path} is not a {CACHE_FORMAT!r} file (no matching 'format' field)")
     if data.get("version") != CACHE_VERSION:
         raise ValueError(f"tuning cache {path} has version {data.get('version')!r}, this titan_uniep reads "
-                         f"version {CACHE_VERSION}: retune (python -m titan_uniep.tune) into a new file")
+                         f"version {CACHE_VERSION}: retune (python -m titan_uniep.tools.tune) into a new file")
     if not isinstance(data.get("entries"), list):
         raise ValueError(f"tuning cache {path}: 'entries' must be a list")
     return [CacheEntry.from_json(item, f"tuning cache {path}, entry {i}") for i, item in enumerate(data["entries"])]
@@ -249,7 +249,7 @@ def lookup(entries: list[CacheEntry], key: CacheKey, direction: str) -> tuple[La
                 params = default_params(key.ep_size, hidden=key.hidden).replace(**changes)
             except (TypeError, ValueError) as err:
                 return None, (f"the entry for {key.describe()} does not fit this LayerParams ({err}); "
-                              "retune with python -m titan_uniep.tune")
+                              "retune with python -m titan_uniep.tools.tune")
             measured = entry.measured_ms.get(direction, {})
             return params, (f"tuned {entry.date}: {direction} {measured.get('default', float('nan')):.3f} -> "
                             f"{measured.get('tuned', float('nan')):.3f} ms, changes {changes or 'none'}")
@@ -262,7 +262,7 @@ def lookup(entries: list[CacheEntry], key: CacheKey, direction: str) -> tuple[La
                   if getattr(entry.key, f) != getattr(key, f)]
         foreign.append(", ".join(differ))
     return None, (f"refused the tuned entries for {key.describe().split(', EP')[0]}: they were measured with another "
-                  + "; another ".join(foreign) + ". Retune on this machine: python -m titan_uniep.tune")
+                  + "; another ".join(foreign) + ". Retune on this machine: python -m titan_uniep.tools.tune")
 
 
 def lookup_file(path: str | os.PathLike, key: CacheKey) -> dict[str, tuple[LayerParams | None, str]]:

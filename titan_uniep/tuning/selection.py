@@ -5,9 +5,9 @@
   (``tuning.cache``); without one, the default, with one warning per layer
   shape saying why (no cache file, no entry, or an entry of another GPU / EP
   size / kernel version, named). A file that cannot be read or is not a
-  tuning cache is an error at start-up (``titan_uniep.preflight``), before
+  tuning cache is an error at start-up (``titan_uniep.torchtitan.preflight``), before
   the model is built.
-- ``"search"``: at start-up, the measured search (``titan_uniep.tune``) of
+- ``"search"``: at start-up, the measured search (``titan_uniep.tools.tune``) of
   every MoE shape of the run, on the EP group, merged into the cache file
   (by global rank 0); then as ``"cached"``. GPU only.
 
@@ -69,7 +69,7 @@ class TuningPolicy:
         except ValueError as err:
             raise ValueError(
                 f"[uniep] tuning_cache: {err}. Set [uniep] tuning_cache to a file written by "
-                "`python -m titan_uniep.tune` (or to a path that does not exist yet), or tuning = \"off\"."
+                "`python -m titan_uniep.tools.tune` (or to a path that does not exist yet), or tuning = \"off\"."
             ) from None
         return policy
 
@@ -83,7 +83,7 @@ class TuningPolicy:
             self.warned.add(shape_key)
             if not self.entries and not os.path.exists(self.cache_path):
                 reason = (f"no tuned entry for {key.describe()}: the tuning cache does not exist (write it with "
-                          "`python -m titan_uniep.tune --config <this config>`, torchrun over the EP size)")
+                          "`python -m titan_uniep.tools.tune --config <this config>`, torchrun over the EP size)")
             logger.warning("UniEP tuning (%s, %s): %s; using the default parameters", self.mode, self.cache_path,
                            reason)
         elif params is not None:
@@ -104,7 +104,7 @@ def configure_tuning(group: dist.ProcessGroup, mode: str, cache_path: str, *, mo
     policy for ``group``'s workspaces."""
     policy = TuningPolicy.from_config(mode, cache_path)
     if mode == "search":
-        from ..tune import MoELayer, SearchOptions, search_layer
+        from titan_uniep.tools.tune import MoELayer, SearchOptions, search_layer
 
         layers = {}
         for moe in moe_modules:

@@ -1,8 +1,8 @@
 """Check that a training run's GPU memory stays flat (no state leaks between steps).
 
-    python -m titan_uniep.memory_flat RUN_DIR [--skip 5] [--tolerance-mib 0]
+    python -m titan_uniep.tools.memory_flat RUN_DIR [--skip 5] [--tolerance-mib 0]
 
-Reads ``RUN_DIR/loss.jsonl`` (written by ``titan_uniep.train`` on a GPU: rank
+Reads ``RUN_DIR/loss.jsonl`` (written by ``titan_uniep.torchtitan.train`` on a GPU: rank
 0's allocated bytes after each step and the step's peak) and compares every
 step after the first ``--skip`` (warm-up: optimizer states, workspaces and
 compiled kernels appear there) with the first of them. Prints the spread of
@@ -24,7 +24,7 @@ def spread(run: Path, skip: int) -> dict[str, tuple[int, int, int]]:
     lines = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines() if line.strip()]
     steps = [line for line in lines if line["step"] > skip]
     if not steps or "mem_allocated" not in steps[0]:
-        raise SystemExit(f"{run}: no memory figures after step {skip} (a GPU run of titan_uniep.train writes them)")
+        raise SystemExit(f"{run}: no memory figures after step {skip} (a GPU run of titan_uniep.torchtitan.train writes them)")
     out = {}
     for field in ("mem_allocated", "mem_peak"):
         values = [line[field] for line in steps]

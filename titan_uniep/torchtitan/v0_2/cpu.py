@@ -11,62 +11,14 @@ CI and dev machines; numbers from such runs say nothing about GPU speed.
 from __future__ import annotations
 
 import functools
-import os
-import platform
-import resource
 import warnings
-from types import SimpleNamespace
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from titan_uniep.torchtitan.cpu_device import CpuDeviceModule, cpu_has_native_bf16
+
 _applied = False
-
-
-class _CpuDeviceModule:
-    """Stands in for ``torch.cuda`` where TorchTitan calls it unconditionally.
-
-    tools/utils.py:37 picks ``device_type = _get_available_device_type() or
-    "cuda"``, so without a GPU every ``device_module.*`` call below lands on
-    torch.cuda and fails. ``torch.cpu`` lacks the memory-statistics calls, and
-    ``torch.cpu.current_device()`` returns "cpu", which the barrier in
-    ``set_pg_timeouts`` (distributed/utils.py:386) cannot turn into a device.
-    """
-
-    @staticmethod
-    def set_device(device: torch.device) -> None:  # train.py:90
-        pass
-
-    @staticmethod
-    def current_device() -> int:  # metrics.py:46, distributed/utils.py:386
-        return 0
-
-    @staticmethod
-    def synchronize(device: torch.device | None = None) -> None:  # distributed/utils.py:387
-        pass
-
-    @staticmethod
-    def get_device_name(device: torch.device | None = None) -> str:  # metrics.py:45
-        return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-
-    @staticmethod
-    def get_device_properties(device: torch.device | None = None) -> SimpleNamespace:  # metrics.py:47
-        return SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-    @staticmethod
-    def memory_stats(device: torch.device | None = None) -> dict:  # metrics.py:65
-        # The process's peak resident set: a whole-process figure that is
-        # never reset, but enough to see a CPU run's memory grow.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
-
-    @staticmethod
-    def reset_peak_memory_stats(device: torch.device | None = None) -> None:  # metrics.py:52,95
-        pass
-
-    @staticmethod
-    def empty_cache() -> None:  # metrics.py:53
-        pass
 
 
 def _use_cpu_device() -> None:
@@ -80,7 +32,7 @@ def _use_cpu_device() -> None:
         if hasattr(module, "device_type"):
             module.device_type = "cpu"  # init_distributed then picks gloo (distributed/utils.py:328)
         if hasattr(module, "device_module"):
-            module.device_module = _CpuDeviceModule
+            module.device_module = CpuDeviceModule
 
 
 def _histc_integer_on_cpu() -> None:
@@ -169,21 +121,6 @@ def _quiet_gpu_only_warnings() -> None:
 
 
 _A100_PEAK_FLOPS = 312e12  # TorchTitan's fallback for a device it does not know (tools/utils.py:143)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (x86: AVX512-BF16 or AMX-BF16;
-    Arm: the BF16 extension). Elsewhere bf16 matmuls are emulated, an order of
-    magnitude slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set()
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[1].split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def fp32_compute_args() -> list[str]:

@@ -1,6 +1,6 @@
 """Training benchmark: TorchTitan's own MoE path against UniEP's, trained end to end.
 
-    python -m titan_uniep.bench_train [--baseline CFG] [--uniep CFG] [--ngpu N]
+    python -m titan_uniep.tools.bench_train [--baseline CFG] [--uniep CFG] [--ngpu N]
         [--steps 40] [--warmup 5] [--runs 2] [--compile] [--ac-mode none|selective|full]
         [--deterministic] [--schedule S] [--tuning off|cached|search] [--tuning-cache PATH]
         [--out DIR] [--run-timeout S] [-- TORCHTITAN OVERRIDES ...]
@@ -17,13 +17,13 @@ run, unless ``--deterministic`` is given (the bundled configs say ``true``;
 the override is explicit both ways).
 
 Every run's figures are TorchTitan's own, as its step log line prints them,
-read from the ``loss.jsonl`` that ``titan_uniep.train`` writes on rank 0 (see
+read from the ``loss.jsonl`` that ``titan_uniep.torchtitan.train`` writes on rank 0 (see
 its docstring): tokens per second per device (``tps``), step time, MFU,
 TFLOP/s, and the peak reserved memory. Per run, the medians over the logged
 steps after ``--warmup`` (memory: the largest peak over those steps); per side,
 the median of the runs' figures with their min-max; the ratio uniep / baseline
 of tokens/s, with its range from the runs' extremes. Each run's loss curve is
-compared with baseline run 1 (``titan_uniep.compare_loss``: the largest and
+compared with baseline run 1 (``titan_uniep.tools.compare_loss``: the largest and
 the mean relative difference over the common steps); the other baseline runs
 give the run-to-run spread to read that against.
 
@@ -61,10 +61,10 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from titan_uniep.compare_loss import LOSS_FILE, compare, load_run
+from titan_uniep.tools.compare_loss import LOSS_FILE, compare, load_run
 from titan_uniep.config import SCHEDULE_NAMES, TUNING_MODES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUN_TRAIN = REPO / "run_train.sh"
 DEFAULT_BASELINE = "train_configs/qwen3_30b_a3b_4l_baseline.toml"
 DEFAULT_UNIEP = "train_configs/qwen3_30b_a3b_4l_uniep.toml"
@@ -108,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
-        prog="python -m titan_uniep.bench_train", description=__doc__.split("\n\n")[0],
+        prog="python -m titan_uniep.tools.bench_train", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="TorchTitan overrides for both sides go after --, e.g. -- --parallelism.expert_parallel_degree 1. "
                f"Writes {TABLE_FILE}, {JSONL_FILE}, {TPS_PLOT}, {LOSS_PLOT} and <side>_<i>/ (dump folder, "
@@ -138,7 +138,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args, unknown = parser.parse_known_args(own)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}; TorchTitan overrides go after --, "
-                     f"e.g. python -m titan_uniep.bench_train -- {' '.join(unknown)}")
+                     f"e.g. python -m titan_uniep.tools.bench_train -- {' '.join(unknown)}")
     args.overrides = overrides
     check_args(args)
     if args.out is None:
@@ -260,11 +260,11 @@ def plan_runs(args: argparse.Namespace) -> list[RunSpec]:
 def check_configs(runs: list[RunSpec]) -> None:
     """What run_train.sh would reject, for both sides, before the first run starts.
 
-    Runs ``titan_uniep.preflight`` (config file, NGPU against the parallel
+    Runs ``titan_uniep.torchtitan.preflight`` (config file, NGPU against the parallel
     degrees, the [uniep] section) on each side's first run, and checks that
     the baseline trains TorchTitan's own path and the uniep config UniEP's.
     """
-    from titan_uniep.preflight import load_config_file, preflight
+    from titan_uniep.torchtitan.preflight import load_config_file, preflight
 
     if not RUN_TRAIN.is_file():
         raise ValueError(f"{RUN_TRAIN} not found: run the benchmark from a titan_uniep checkout")
@@ -365,7 +365,7 @@ def run_stats(records: list[dict], warmup: int, source: str = "loss.jsonl") -> d
                          "raise --steps or lower --warmup")
     lacking = [r["step"] for r in measured if r.get("tps") is None]
     if lacking:
-        raise ValueError(f"{source}: steps {lacking} have no 'tps': it was written by a titan_uniep.train that "
+        raise ValueError(f"{source}: steps {lacking} have no 'tps': it was written by a titan_uniep.torchtitan.train that "
                          "did not record TorchTitan's step metrics; train with this checkout's run_train.sh")
     stats = {"first_step": measured[0]["step"], "last_step": measured[-1]["step"], "measured_steps": len(measured)}
     for name in MEDIAN_FIELDS:
@@ -522,7 +522,7 @@ def markdown(report: Report) -> str:
         "peak memory is the largest per-step peak of reserved memory over those steps. Per side: the median of "
         "the runs' figures (tokens/s with the runs' min-max). The ratio's range is min(uniep) / max(baseline) to "
         "max(uniep) / min(baseline). Loss: relative difference to baseline run 1 over every common step "
-        "(`titan_uniep.compare_loss`); the other baseline runs show how far the baseline differs from itself "
+        "(`titan_uniep.tools.compare_loss`); the other baseline runs show how far the baseline differs from itself "
         "(side rows: the largest over the side's runs).",
         "",
         "Commands (in launch order):",

@@ -3,23 +3,30 @@
 ``check_launch(argv, world_size)`` needs the standard library only and takes
 about 0.1 s: ``run_train.sh`` runs it before torchrun starts, as
 
-    python3 titan_uniep/preflight.py NGPU --job.config_file FILE [overrides]
+    python3 -m titan_uniep.torchtitan.preflight NGPU --job.config_file FILE [overrides]
 
 (it prints the job's dump folder, where run_train.sh puts torchrun's logs).
 It checks
 
+- TorchTitan is installed in a supported release (``titan_uniep.torchtitan.EDGES``);
 - the config file (``--job.config_file``; ``CONFIG_FILE`` of run_train.sh)
-  exists and is TOML (a syntax error is reported with its line and column);
+  exists and is TOML (a syntax error is reported with its line and column),
+  and it is a train config of the installed release (0.2.2: TorchTitan's TOML
+  sections; 0.3.0: ``module`` and ``config`` with overrides, see
+  ``titan_uniep.torchtitan.v0_3.toml``);
 - every key of ``[uniep]``, in the file and on the command line
   (``--uniep.KEY``), is a key of the section (else the closest one is named),
   and the section's values pass its own checks (``titan_uniep.config.UniEP``);
-- the world size (``NGPU`` of run_train.sh, torchrun's ``WORLD_SIZE``) fits
-  the ``[parallelism]`` degrees of the file and the overrides, on the dense
-  mesh and on the expert mesh alike (TorchTitan 0.2.2 itself ends in an
-  ``assert`` or in ``The product of mesh_sizes=(1, 1, 0, 2, 1) is 0``).
+- on TorchTitan 0.2.2, the world size (``NGPU`` of run_train.sh, torchrun's
+  ``WORLD_SIZE``) fits the ``[parallelism]`` degrees of the file and the
+  overrides, on the dense mesh and on the expert mesh alike (TorchTitan 0.2.2
+  itself ends in an ``assert`` or in ``The product of mesh_sizes=(1, 1, 0, 2,
+  1) is 0``). On 0.3.0 the degrees the file leaves out are its registry
+  config's, which only TorchTitan reads.
 
-``preflight(argv, world_size)`` is what ``titan_uniep.train.main`` runs in
-every worker before TorchTitan builds anything (process group, device mesh,
+``preflight(argv, world_size)`` is what the 0.2.2 edge's trainer
+(``titan_uniep.torchtitan.v0_2.train``) runs in every worker before
+TorchTitan builds anything (process group, device mesh,
 model): ``check_launch`` again, then what needs TorchTitan (seconds of
 imports, which is why run_train.sh does not wait for it): every key of every
 section against TorchTitan's ``JobConfig`` with ``[uniep]`` merged, with the
@@ -53,19 +60,14 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-if __package__:
-    from titan_uniep.config import UniEP
-else:
-    # Run as a script by run_train.sh: importing the titan_uniep package would
-    # import TorchTitan (seconds); config.py imports only the standard library,
-    # and this file's folder is the first entry of sys.path.
-    from config import UniEP
+from titan_uniep.config import UniEP
+from titan_uniep.torchtitan import edge_module
 
 __all__ = ["check_job", "check_keys", "check_launch", "check_world_size", "config_file_arg", "load_config_file",
            "path_overrides", "preflight"]
 
 _CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
-_PACKAGE_PARENT = Path(__file__).resolve().parents[1]
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 # TorchTitan 0.2.2's defaults (config/job_config.py; tests/test_preflight.py checks them against it).
 _DEGREE_DEFAULTS = {
     "data_parallel_replicate_degree": 1,
@@ -89,6 +91,22 @@ def config_file_arg(argv: list[str]) -> str | None:
         if arg in _CONFIG_FILE_FLAGS and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+def without_config_file_arg(argv: list[str]) -> list[str]:
+    """``argv`` without its ``--job.config_file`` argument (either form)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.partition("=")[0] in _CONFIG_FILE_FLAGS and "=" in arg:
+            continue
+        if arg in _CONFIG_FILE_FLAGS and i + 1 < len(argv):
+            skip = True
+            continue
+        out.append(arg)
+    return out
 
 
 def load_config_file(path: str) -> dict:
@@ -336,17 +354,57 @@ class Launch:
     """``job.dump_folder`` of the file and the overrides (TorchTitan's default ``./outputs``)."""
 
 
+def _registry_dump_folder(toml: dict, argv: list[str]) -> str:
+    # TorchTitan 0.3.0: dump_folder is a top-level field (--dump_folder / --dump-folder).
+    folder = toml.get("dump_folder", _DUMP_FOLDER_DEFAULT)
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if flag in ("--dump_folder", "--dump-folder"):
+            folder = value if sep else (argv[i + 1] if i + 1 < len(argv) else folder)
+    return folder
+
+
+def check_toml_release(path: str | None, toml: dict, edge: str) -> None:
+    """Raise ValueError if the file is a train config of the other TorchTitan release than
+    the installed one (``edge``: ``titan_uniep.torchtitan.edge_module()``), naming both."""
+    if path is None:
+        return
+    registry_form = "module" in toml or "config" in toml
+    if edge.endswith("v0_3") and not registry_form:
+        raise ValueError(
+            f"config file {path!r} is a TorchTitan 0.2.2 train config (it names no module and config), and "
+            "TorchTitan 0.3.0 is installed. Use a 0.3.0 train config, e.g. "
+            "CONFIG_FILE=train_configs/torchtitan_0_3/deepseek_v3_debug_uniep.toml (top-level module = ... and "
+            "config = ..., then overrides), or install torchtitan==0.2.2."
+        )
+    if edge.endswith("v0_2") and registry_form:
+        raise ValueError(
+            f"config file {path!r} is a TorchTitan 0.3.0 train config (it names a module and config), and "
+            "TorchTitan 0.2.2 is installed. Use a 0.2.2 train config, e.g. "
+            "CONFIG_FILE=train_configs/deepseek_v3_debug_uniep.toml, or install torchtitan==0.3.0."
+        )
+
+
 def check_launch(argv: list[str], world_size: int) -> Launch:
     """The standard-library checks (see the module docstring); ValueError naming the key and the fix."""
+    try:
+        edge = edge_module()
+    except RuntimeError as err:
+        raise ValueError(str(err)) from None
     path = config_file_arg(argv)
     toml = load_config_file(path) if path is not None else {}
     overrides = cli_overrides(argv)
-    launch = Launch(path, toml, overrides, _dump_folder(toml, overrides))
+    registry_form = edge.endswith("v0_3")
+    folder = _registry_dump_folder(toml, argv) if registry_form else _dump_folder(toml, overrides)
+    launch = Launch(path, toml, overrides, folder)
     if any(arg in _HELP_FLAGS for arg in argv):
         return launch  # TorchTitan prints every key and exits
+    check_toml_release(path, toml, edge)
     check_keys(toml, overrides, {"uniep": UniEP}, all_sections=False, config_path=path)
     if "uniep" in toml or any(o.path[0] == "uniep" for o in overrides):
         uniep_section(toml, overrides)
+    if registry_form:
+        return launch  # the degrees' defaults are the registry config's: TorchTitan checks them
     degrees = _launch_degrees(toml, overrides)
     if degrees is not None:
         check_world_size(degrees, world_size)

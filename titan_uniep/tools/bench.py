@@ -1,7 +1,7 @@
 """Forward benchmark of one MoE layer's routed-expert path on an EP group.
 
-    torchrun --nproc_per_node 2 -m titan_uniep.bench --shape qwen3 --shape deepseek --shape mixtral --check
-    torchrun --nproc_per_node 1 -m titan_uniep.bench --shape qwen3_1gpu --shape 8192,2880,1440,64,4 --report out/r
+    torchrun --nproc_per_node 2 -m titan_uniep.tools.bench --shape qwen3 --shape deepseek --shape mixtral --check
+    torchrun --nproc_per_node 1 -m titan_uniep.tools.bench --shape qwen3_1gpu --shape 8192,2880,1440,64,4 --report out/r
 
 For each ``--shape`` (``T`` tokens per rank, dim ``D``, expert hidden ``H``,
 ``E`` experts, top-``K``: a name of ``titan_uniep.shapes`` or ``T,D,H,E,K``;
@@ -31,7 +31,7 @@ itself). One JSON line per shape (prefixed ``JSON``), then a table.
 UniEP against TorchTitan, and both against a float64 reference on the
 first ``--check-tokens`` tokens of every rank (limits: ``titan_uniep.accuracy``);
 it exits 1 beyond them. ``--report DIR`` writes ``forward.md`` and a PNG per
-shape there (``titan_uniep.report``), with the tuning model's prediction.
+shape there (``titan_uniep.tools.report``), with the tuning model's prediction.
 ``--profile`` prints rank 0's CUDA kernel times of both schedules (first
 shape); ``--sweep-params`` times the fused schedule at other parameter points;
 ``--graph`` also times both schedules replayed from a CUDA graph (no Python
@@ -51,13 +51,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
-from .layout import compute_layout, count_per_expert, token_destinations
-from .oracle import float64_moe_oracle
-from .params import apply_overrides, default_params
-from .runtime import Workspace, exchange_bytes, moe_forward
-from .shapes import add_shape_argument
-from .timing import time_alternating, time_ms
+from titan_uniep.accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
+from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
+from titan_uniep.oracle import float64_moe_oracle
+from titan_uniep.params import apply_overrides, default_params
+from titan_uniep.runtime import Workspace, exchange_bytes, moe_forward
+from titan_uniep.shapes import add_shape_argument
+from titan_uniep.timing import time_alternating, time_ms
 
 __all__ = ["bench_shape", "build_parser", "check", "main"]
 
@@ -180,7 +180,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
     sweep = [params.replace(**change) for change in json.loads(args.sweep_params)]
     tuned, tuned_reason = None, "no tuning cache given"
     if args.tuned_cache:
-        from .bench_backward import tuned_points
+        from titan_uniep.tools.bench_backward import tuned_points
 
         tuned, tuned_reason = tuned_points(args.tuned_cache, shape, world, dtype, dev, args.score_before)["forward"]
     sizes = dict(num_tokens=num_tokens, dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, dtype=dtype,
@@ -241,7 +241,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
         if args.profile and name == next(iter(args.shape_names)):
             profile_kernels(uniep, rank)
     if args.report:
-        from .tune import MoELayer, predictions
+        from titan_uniep.tools.tune import MoELayer, predictions
 
         points = {"default": params, **({"tuned": tuned} if tuned is not None else {})}
         record["model"] = predictions(MoELayer(name, *shape, sb, dtype), indices, group, points, args.constants)
@@ -340,7 +340,7 @@ def forward_stats(sequential: torch.Tensor, fused: torch.Tensor, titan: torch.Te
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backward", action="store_true", help="forward + backward (titan_uniep.bench_backward)")
+    parser.add_argument("--backward", action="store_true", help="forward + backward (titan_uniep.tools.bench_backward)")
     add_shape_argument(parser, default=("qwen3",))
     parser.add_argument("--routing", choices=("balanced", "skewed", "zipf"), default="balanced")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
@@ -371,13 +371,13 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--backward" in argv:
         # Forward + backward side by side lives in its own module.
-        from titan_uniep.bench_backward import main as backward_main
+        from titan_uniep.tools.bench_backward import main as backward_main
 
         argv.remove("--backward")
         return backward_main(argv)
     args = build_parser().parse_args(argv)
     if args.tuned_cache is None:
-        from .tuning.cache import default_cache_path
+        from titan_uniep.tuning.cache import default_cache_path
 
         args.tuned_cache = default_cache_path()
 
@@ -412,7 +412,7 @@ def main(argv=None) -> None:
         for r in records:
             print(f"| {r['shape']} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in cols) + " |")
         if args.report:
-            from .report import write_report
+            from titan_uniep.tools.report import write_report
 
             for path in write_report(args.report, records, "forward"):
                 print(f"wrote {path}", flush=True)

@@ -1,7 +1,7 @@
 """Measured search of UniEP's kernel parameters per MoE layer shape; writes the tuning cache.
 
-    python -m titan_uniep.tune --shape qwen3_1gpu --shape 8192,2880,1440,64,4      # one GPU: EP 1
-    torchrun --nproc_per_node 2 -m titan_uniep.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml
+    python -m titan_uniep.tools.tune --shape qwen3_1gpu --shape 8192,2880,1440,64,4      # one GPU: EP 1
+    torchrun --nproc_per_node 2 -m titan_uniep.tools.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml
 
 For each layer shape (``--shape``: a ``titan_uniep.shapes`` name or
 ``T,D,H,E,K`` with ``T`` tokens per rank; ``--config``: every MoE shape the
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -62,11 +63,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .params import LayerParams, default_params
-from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
-from .shapes import add_shape_argument, layer_inputs
-from .timing import time_alternating
-from .tuning.cache import CacheEntry, CacheKey, default_cache_path, dtype_name, save
+from titan_uniep.params import LayerParams, default_params
+from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from titan_uniep.shapes import add_shape_argument, layer_inputs
+from titan_uniep.timing import time_alternating
+from titan_uniep.tuning.cache import CacheEntry, CacheKey, default_cache_path, dtype_name, save
 
 __all__ = ["MoELayer", "SearchOptions", "build_parser", "config_layers", "main", "predictions", "routing_stats",
            "search_layer"]
@@ -130,7 +131,7 @@ class SearchResult:
 
 
 def layer_shape(layer: MoELayer, ep_size: int):
-    from .tuning.space import LayerShape
+    from titan_uniep.tuning.space import LayerShape
 
     return LayerShape(tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden, num_experts=layer.num_experts,
                       top_k=layer.top_k, ep_size=ep_size, dtype_bytes=torch.empty((), dtype=layer.dtype).element_size(),
@@ -139,7 +140,7 @@ def layer_shape(layer: MoELayer, ep_size: int):
 
 def routing_stats(indices: torch.Tensor, num_experts: int, group: dist.ProcessGroup):
     """The model's ``RoutingStats`` of every rank's ``indices`` (gathered: a collective)."""
-    from .tuning.model import RoutingStats
+    from titan_uniep.tuning.model import RoutingStats
 
     world = dist.get_world_size(group)
     every = torch.empty(world * indices.shape[0], *indices.shape[1:], dtype=indices.dtype, device=indices.device)
@@ -149,7 +150,7 @@ def routing_stats(indices: torch.Tensor, num_experts: int, group: dist.ProcessGr
 
 def hardware(options: SearchOptions, device: torch.device):
     """The model's constants: ``--constants`` (the calibration's file) or this GPU's uncalibrated ones."""
-    from .tuning.model import default_constants, load_constants
+    from titan_uniep.tuning.model import default_constants, load_constants
 
     return load_constants(options.constants) if options.constants else default_constants(
         torch.cuda.get_device_name(device))
@@ -165,7 +166,7 @@ def predictions(layer: MoELayer, indices: torch.Tensor, group: dist.ProcessGroup
     collective (it gathers the routing)."""
     if importlib.util.find_spec("titan_uniep.tuning.model") is None:
         return None
-    from .tuning.model import predict
+    from titan_uniep.tuning.model import predict
 
     world = dist.get_world_size(group)
     stats = routing_stats(indices, layer.num_experts, group)
@@ -192,7 +193,7 @@ def project(point: LayerParams, default: LayerParams, direction: str, numerics: 
     """``point`` with every field ``direction`` does not read (and, unless
     ``numerics``, every value that may change bits: ``tuning.space`` kinds)
     set back to the default's; None if the mix is not a valid point."""
-    from .tuning.space import FIELDS
+    from titan_uniep.tuning.space import FIELDS
 
     changes = {}
     for name, spec in FIELDS.items():
@@ -212,8 +213,8 @@ def project(point: LayerParams, default: LayerParams, direction: str, numerics: 
 def ranked_points(layer: MoELayer, stats, world: int, options: SearchOptions, hw) -> list[tuple]:
     """Every grid point of ``tuning.space`` with the model's prediction
     (``[(params, prediction)]``), ranked once for both directions."""
-    from .tuning.model import rank
-    from .tuning.space import enumerate_points
+    from titan_uniep.tuning.model import rank
+    from titan_uniep.tuning.space import enumerate_points
 
     shape = layer_shape(layer, world)
     return list(rank(shape, stats, world, enumerate_points(shape, numerics=options.numerics, hw=hw), hw,
@@ -237,8 +238,8 @@ def candidates(layer: MoELayer, stats, world: int, direction: str, options: Sear
     tie (``TIE``), only the one that changes the fewest fields is kept:
     measuring several points the model cannot tell apart would spend the
     search on one guess."""
-    from .tuning.model import predict
-    from .tuning.space import feasible
+    from titan_uniep.tuning.model import predict
+    from titan_uniep.tuning.space import feasible
 
     shape = layer_shape(layer, world)
     default = default_params(world, hidden=layer.hidden)
@@ -284,7 +285,7 @@ NEIGHBOUR_STAGES = {"forward": ("fc1", "fc2"), "backward": ("dh", "da")}
 
 def neighbour_axes(direction: str) -> dict[tuple[str, ...], tuple[tuple, ...]]:
     """The ``GRID_STAGES`` entries (field names -> tile choices) of ``direction``'s GEMM stages."""
-    from .tuning.space import GRID_STAGES
+    from titan_uniep.tuning.space import GRID_STAGES
 
     return {names: combos for names, combos in GRID_STAGES.items()
             if names[0].split("_")[0] in NEIGHBOUR_STAGES[direction]}
@@ -294,7 +295,7 @@ def stage_neighbours(point: LayerParams, shape, direction: str) -> list[LayerPar
     """``point`` with the tile choice of one GEMM stage of ``direction``
     replaced by each other choice of the grid (``GRID_STAGES``), one stage
     at a time; choices that repeat another point on ``shape`` are left out."""
-    from .tuning.space import repeats_another
+    from titan_uniep.tuning.space import repeats_another
 
     out = []
     for names, combos in neighbour_axes(direction).items():
@@ -348,7 +349,7 @@ def confirmation_set(times: dict[str, float | None], points: dict[str, LayerPara
     partly luck; a run of its own does not share that luck, and the pick
     compares these points on that run's figures only. Returns the names to
     measure (just the default: no run) and the new points among them."""
-    from .tuning.space import feasible
+    from titan_uniep.tuning.space import feasible
 
     measured = [n for n in times if times[n] is not None]
     final = list(dict.fromkeys(["default", *sorted(measured, key=lambda n: times[n])[:1]]))
@@ -428,8 +429,8 @@ def verify_entry(forward, backward, default: LayerParams, forward_point: LayerPa
 def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptions) -> SearchResult:
     """Measure ``layer``'s candidates on ``group`` (every rank calls it) and
     return the entry for the cache (module docstring). GPU only."""
-    from .tuning.model import predict
-    from .tuning.space import keeps_bits
+    from titan_uniep.tuning.model import predict
+    from titan_uniep.tuning.space import keeps_bits
 
     if not torch.cuda.is_available():
         raise RuntimeError("the measured search times CUDA kernels: run it on a GPU (or use [uniep] tuning = "
@@ -606,8 +607,13 @@ def config_layers(path: str) -> tuple[list[MoELayer], int]:
     from torchtitan.protocols.train_spec import get_train_spec
 
     from titan_uniep.compute_dtype import job_compute_dtype
+    from titan_uniep.torchtitan import edge_module
 
-    # Importing this module imported titan_uniep, which registered the *_uniep train specs and flavors.
+    if edge_module() != "titan_uniep.torchtitan.v0_2":
+        raise ValueError(f"--config {path}: reading the MoE shapes of a TOML train config needs TorchTitan 0.2.2; "
+                         "on another TorchTitan pass the layer shapes with --shape")
+    importlib.import_module(edge_module())  # registers the *_uniep train specs and flavors
+
     job = ConfigManager().parse_args(["--job.config_file", path])
     spec = get_train_spec(job.model.name)
     args = copy.deepcopy(spec.model_args[job.model.flavor])
@@ -701,7 +707,7 @@ def main(argv=None) -> None:
         layers, ep_degree = config_layers(args.config)
         if ep_degree != world:
             parser.error(f"--config {args.config} sets parallelism.expert_parallel_degree = {ep_degree}, but this "
-                         f"run has {world} process(es): run torchrun --nproc_per_node {ep_degree} -m titan_uniep.tune "
+                         f"run has {world} process(es): run torchrun --nproc_per_node {ep_degree} -m titan_uniep.tools.tune "
                          "--config ...")
     else:
         dtype = DTYPES[args.dtype or "bf16"]

@@ -1,6 +1,6 @@
 """torchrun with a short failure report; run_train.sh launches training through it.
 
-    python3 titan_uniep/torchrun.py [torchrun arguments] -m titan_uniep.train [training arguments]
+    python3 -m titan_uniep.torchtitan.torchrun [torchrun arguments] -m titan_uniep.torchtitan.train [training arguments]
 
 The arguments are torchrun's (``torch.distributed.run``), unchanged, and so is
 everything until a worker fails. Then torchrun raises ``ChildFailedError``, and
@@ -8,12 +8,11 @@ its report is a traceback of the launcher itself and a table (about 40 lines)
 after the worker's own message. This prints instead one line per failed rank,
 where their logs are, and last the error of the rank that failed first, as the
 worker recorded it in its torchelastic error file: TorchTitan's ``@record``
-writes the exception there; ``titan_uniep.train`` writes its start-up errors
-there with ``exit_with_error``. It exits with that rank's exit code (1 for a
-signal).
+writes the exception there; the trainer writes its start-up errors there with
+``exit_with_error``. It exits with that rank's exit code (1 for a signal).
 
-Runs as a script: importing the titan_uniep package would import TorchTitan
-(seconds); this needs torch only.
+It needs torch only: importing ``titan_uniep`` and ``titan_uniep.torchtitan``
+imports no TorchTitan.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Forward + backward benchmark of one MoE layer's routed-expert path on an EP group.
 
-    torchrun --nproc_per_node 2 -m titan_uniep.bench_backward --shape qwen3 --shape deepseek --check
+    torchrun --nproc_per_node 2 -m titan_uniep.tools.bench_backward --shape qwen3 --shape deepseek --check
 
 For each ``--shape`` (``T`` tokens per rank, ``D``, ``H``, ``E``, ``K``: a name
 of ``titan_uniep.shapes`` or ``T,D,H,E,K``; default qwen3 and deepseek), same
@@ -34,7 +34,7 @@ launches are its phases: exchange, dispatch, dH, dA, wgrad, reduce).
 TorchTitan's on the full inputs and to a float64 oracle on the first
 ``--check-tokens`` tokens of every rank (``titan_uniep.accuracy`` has the
 limits); exits 1 beyond them.
-``--report DIR``: Markdown and PNG plots per shape (``titan_uniep.report``).
+``--report DIR``: Markdown and PNG plots per shape (``titan_uniep.tools.report``).
 One ``JSON`` line per shape, then a table. A failing path prints its error
 and is reported as ``null`` (the others still run).
 """
@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
-from .layout import compute_layout, count_per_expert
-from .oracle import float64_moe_backward_oracle
-from .runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
-from .shapes import add_shape_argument, layer_inputs
-from .timing import time_alternating
+from titan_uniep.accuracy import LIMITS, enforce, failures, max_over_group, rel_diff
+from titan_uniep.layout import compute_layout, count_per_expert
+from titan_uniep.oracle import float64_moe_backward_oracle
+from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
+from titan_uniep.shapes import add_shape_argument, layer_inputs
+from titan_uniep.timing import time_alternating
 
 GRAD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
 
@@ -132,7 +132,7 @@ def gemm_only_fwd_bwd(tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, d
 def tuned_points(path: str, shape, world: int, dtype: torch.dtype, dev, score_before: bool) -> dict[str, tuple]:
     """``{"forward": (params | None, reason), "backward": ...}`` of ``shape`` (in that score mode) in the tuning
     cache at ``path``."""
-    from .tuning.cache import CacheKey, lookup_file
+    from titan_uniep.tuning.cache import CacheKey, lookup_file
 
     num_tokens, dim, hidden, num_experts, top_k = shape
     key = CacheKey.for_layer(gpu=torch.cuda.get_device_name(dev), ep_size=world, dtype=dtype, num_tokens=num_tokens,
@@ -223,7 +223,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
         result["check"] = stats
         result["check_failures"] = failures(stats, LIMITS["backward"]["bf16"])
     if args.report:
-        from .tune import MoELayer, predictions
+        from titan_uniep.tools.tune import MoELayer, predictions
 
         default = bwd_ws.inner.params
         points = {"default": (fwd_ws.params, default)}
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.tuned_cache is None:
-        from .tuning.cache import default_cache_path
+        from titan_uniep.tuning.cache import default_cache_path
 
         args.tuned_cache = default_cache_path()
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -380,7 +380,7 @@ def main(argv=None) -> None:
             ratio = res.get("speedup_uniep_fused_vs_titan")
             print(f"| {res['shape']} | " + " | ".join(cells) + f" | {ratio if ratio else '-'} |")
         if args.report:
-            from .report import write_report
+            from titan_uniep.tools.report import write_report
 
             for path in write_report(args.report, results, "backward"):
                 print(f"wrote {path}", flush=True)

@@ -1,9 +1,9 @@
 """Compare the loss curves of two training runs, step by step.
 
-    python3 -m titan_uniep.compare_loss RUN_A RUN_B [--assert-bitwise]
+    python3 -m titan_uniep.tools.compare_loss RUN_A RUN_B [--assert-bitwise]
         [--rtol X] [--atol X] [--max-step N] [--plot out.png] [--labels A B]
 
-A run is a dump folder (its ``loss.jsonl``, written by ``titan_uniep.train``:
+A run is a dump folder (its ``loss.jsonl``, written by ``titan_uniep.torchtitan.train``:
 exact float losses) or a file: a ``loss.jsonl`` or a TorchTitan log, whose
 ``step: N  loss: X.XXXXX`` lines carry only 5 decimals, so from a log only
 "equal to 5 decimals" can be claimed, never bitwise equality.
@@ -192,7 +192,7 @@ def default_plot_path(run_b: str, labels: tuple[str, str]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m titan_uniep.compare_loss", description=__doc__.split("\n\n")[0],
+        prog="python3 -m titan_uniep.tools.compare_loss", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_a", help="reference run: dump folder, loss.jsonl or TorchTitan log")

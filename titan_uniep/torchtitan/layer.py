@@ -1,11 +1,12 @@
-"""UniEP's MoE modules: TorchTitan's MoE with the expert-parallel path swapped.
+"""One UniEP MoE layer inside a TorchTitan model, the same on every TorchTitan release.
 
-``UniEPMoE`` keeps TorchTitan's router, shared experts, load-balancing buffers
-(``expert_bias``, ``tokens_per_expert``) and every parameter FQN; only the
-routed-expert path changes. Instead of TorchTitan's reorder -> all-to-all ->
-permute/pad -> grouped GEMM -> unpermute -> all-to-all -> unsort, the experts
-module receives the router's decision and runs one UniEP schedule
-(``titan_uniep.schedules``) that dispatches, computes and combines.
+Each edge's experts module (``v0_2.moe.UniEPGroupedExperts``,
+``v0_3.experts.UniEPRoutedExperts``) mixes in ``UniEPExperts`` and calls
+``run_uniep`` with this rank's tokens, the router's decision and its local
+expert weights; ``run_uniep`` casts to the compute dtype, runs the schedule,
+and drives the bitwise guard and the testing hooks. ``StepCounter`` and
+``BitwiseGuard`` are the training step and the guard every edge's trainer
+and hook install.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torchtitan.models.moe.moe import GroupedExperts, MoE
 
 from titan_uniep.compute_dtype import cast_to_compute, layer_compute_dtype
 from titan_uniep.schedules import Routing, get_schedule
@@ -23,10 +22,10 @@ from titan_uniep.testing import UniEPTestHooks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BitwiseGuard", "StepCounter", "UniEPGroupedExperts", "UniEPMoE"]
+__all__ = ["BitwiseGuard", "StepCounter", "UniEPExperts", "in_backward"]
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     # Activation checkpointing re-runs forwards inside the backward pass; the
     # guard and the step counter must not count those.
     return torch._C._current_graph_task_id() != -1
@@ -35,8 +34,7 @@ def _in_backward() -> bool:
 class StepCounter:
     """The 1-based training step of the current forward, shared by the guard and the test hooks.
 
-    ``titan_uniep.train`` sets it from the trainer before every step
-    (``start_step``), so a run resumed from a checkpoint at step N names
+    Each edge's trainer sets it before every step (``start_step``), so a run resumed from a checkpoint at step N names
     step N + 1 next. Under another trainer it counts root-model forwards (a
     forward pre-hook installed by the parallelize hook): ``grad_accum_steps``
     of them make one step, counted from 1 at the process's first step.
@@ -56,7 +54,7 @@ class StepCounter:
         self.model_forwards = 0
 
     def count_model_forward(self, module: torch.nn.Module, args) -> None:
-        if module.training and not _in_backward():
+        if module.training and not in_backward():
             self.model_forwards += 1
 
 
@@ -99,7 +97,7 @@ class BitwiseGuard:
     def due(self) -> bool:
         step = self.step
         return (
-            not _in_backward()
+            not in_backward()
             and (step - 1) % self.interval == 0
             and step != self._last_checked_step
         )
@@ -169,18 +167,14 @@ class BitwiseGuard:
 _NON_OVERLAPPED = {"fused": "sequential", "sequential": "sequential", "reference": "reference"}
 
 
-class UniEPGroupedExperts(GroupedExperts):
-    """TorchTitan's GroupedExperts (same w1/w2/w3, same FQNs) run by a UniEP schedule.
+class UniEPExperts:
+    """What an edge's experts module adds to run a UniEP schedule: its settings and ``run_uniep``.
 
-    ``forward(x, routing)`` takes this rank's ``(T, D)`` tokens and the
-    router's decision and returns their combined routed-expert output
-    ``(T, D)`` in x's dtype: dispatch, expert FFN and combine all happen
-    inside, with the GEMMs in ``compute_dtype`` (``titan_uniep.compute_dtype``:
-    None follows x, or autocast where it is on). The EP group, schedule and
-    compute dtype are set by ``titan_uniep.parallelize``.
+    ``configure`` sets the schedule, the score placement, the compute dtype
+    and the layer's name; the edge's parallelize step sets ``ep_group`` and,
+    where the run asks for them, ``steps``, ``guard`` and ``test_hooks``.
     """
 
-    # Set by the parallelize hook after the class swap (see parallelize.py).
     ep_group: dist.ProcessGroup | None
     schedule: str
     score_before_experts: bool
@@ -201,21 +195,22 @@ class UniEPGroupedExperts(GroupedExperts):
         self.steps = None
         self.test_hooks = None
 
-    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if isinstance(self.w1, DTensor):
-            # Expert weights are Shard(0) on the EP mesh: the local shard is
-            # exactly this rank's experts, as in TorchTitan's GroupedExperts.
-            return self.w1.to_local(), self.w2.to_local(), self.w3.to_local()
-        return self.w1, self.w2, self.w3
+    def run_uniep(self, x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> torch.Tensor:
+        """This rank's combined routed-expert output ``(T, D)`` in x's dtype.
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:  # type: ignore[override]
+        Args:
+            x: ``(T, D)`` this rank's tokens.
+            routing: the router's ``(T, K)`` scores (float32) and global expert ids (int64).
+            w1, w3: ``(E_local, H, D)``; w2: ``(E_local, D, H)``: this rank's experts.
+        """
         if self.ep_group is None:
             raise RuntimeError(
                 f"{self.layer_name}: UniEP experts have no EP group; they must be parallelized by "
-                "titan_uniep.parallelize (a *_uniep model with [uniep] enable = true)"
+                "UniEP's TorchTitan edge (a UniEP train config with [uniep] enable = true)"
             )
         out_dtype = x.dtype
-        x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, *self._local_weights())
+        x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, w1, w2, w3)
         run = get_schedule(self.schedule)
         out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts,
                   out_dtype=out_dtype)
@@ -228,36 +223,6 @@ class UniEPGroupedExperts(GroupedExperts):
             if self.test_hooks is not None:
                 again = self.test_hooks.plant_guard_difference(again, self.guard.step, self.ep_group)
             self.guard.compare(out.detach(), again, self.layer_name, self.ep_group)
-        if self.test_hooks is not None and self.steps is not None and not _in_backward():
+        if self.test_hooks is not None and self.steps is not None and not in_backward():
             self.test_hooks.record_layer(self.layer_name, self.steps.step, self.ep_group, x, routing, w1, w2, w3, out)
         return out
-
-
-class UniEPMoE(MoE):
-    """TorchTitan's MoE whose routed experts run through UniEP.
-
-    Same submodules, parameters and buffers as ``MoE`` (the parallelize hook
-    swaps the class of an existing instance); the forward differs only in
-    handing the router's decision to the experts instead of reordering tokens
-    itself (and, only where ``titan_uniep.testing`` hooks are set, in letting
-    them override that decision).
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bs, slen, dim = x.shape
-        x = x.view(-1, dim)
-        top_scores, selected_experts_indices, num_tokens_per_expert = self.router(x, self.expert_bias)
-        hooks, steps = self.experts.test_hooks, self.experts.steps
-        if hooks is not None and steps is not None:
-            selected_experts_indices, num_tokens_per_expert = hooks.override_routing(
-                steps.step, selected_experts_indices, num_tokens_per_expert
-            )
-        # As TorchTitan's MoE: feeds the expert-bias update of the
-        # load-balancing optimizer hook (and expert-usage metrics).
-        with torch.no_grad():
-            self.tokens_per_expert.add_(num_tokens_per_expert)
-
-        routed = self.experts(x, Routing(top_scores, selected_experts_indices))
-        if self.shared_experts is None:
-            return routed.reshape(bs, slen, dim)
-        return (self.shared_experts(x) + routed).reshape(bs, slen, dim)

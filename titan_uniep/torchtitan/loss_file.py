@@ -1,0 +1,108 @@
+"""``<dump_folder>/loss.jsonl``: every logged step's exact loss and TorchTitan's own figures.
+
+Written by rank 0 of a run of either edge's trainer, one line per logged step:
+``{"step": N, "loss": L, "max_loss": M, "grad_norm": G, "time": T, ...}``,
+where L is the exact float TorchTitan prints with 5 decimals (global average
+loss over all valid tokens of the step), M the largest per-rank average, and
+T the seconds since the trainer finished building. Each line also carries the
+figures TorchTitan's ``MetricsProcessor.log`` computed for its step log line
+(the very values, see ``TORCHTITAN_METRICS``): ``tps`` (rank 0's tokens per
+second per device), ``tflops``, ``mfu_pct`` (MFU in percent of the peak
+TorchTitan assumes for the device), ``step_time`` (seconds per step since
+the previous logged step), ``mem_reserved_peak_gib`` (the "memory:" figure of
+the log line) and ``mem_active_peak_gib`` (rank 0's peak reserved and active
+bytes since the previous logged step, in GiB; without a GPU both are the
+process's peak resident set, from the edge's CPU shims). On a GPU each line
+also has rank 0's ``mem_allocated`` (bytes held after the step) and
+``mem_peak`` (peak allocated bytes since the previous logged step).
+
+``python -m titan_uniep.tools.compare_loss RUN_A RUN_B`` compares two such
+files; ``python -m titan_uniep.tools.memory_flat RUN`` checks that memory
+stays flat; ``python -m titan_uniep.tools.bench_train`` takes its throughput
+figures from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from torchtitan.components.metrics import BaseLogger
+
+__all__ = ["LOSS_FILE", "TORCHTITAN_METRICS", "record_losses"]
+
+LOSS_FILE = "loss.jsonl"
+
+TORCHTITAN_METRICS = {
+    "tps": "throughput(tps)",
+    "tflops": "tflops",
+    "mfu_pct": "mfu(%)",
+    "step_time": "time_metrics/end_to_end(s)",
+    "mem_reserved_peak_gib": "memory/max_reserved(GiB)",
+    "mem_active_peak_gib": "memory/max_active(GiB)",
+}
+"""loss.jsonl field -> key of the metrics dict that TorchTitan's
+``MetricsProcessor.log`` (components/metrics.py, the same keys in 0.2.2 and
+0.3.0) builds for its step log line and hands to its logger backend. A key it
+does not produce is left out."""
+
+
+class _KeepLastMetrics(BaseLogger):
+    """A metrics-logger backend that keeps the last metrics dict and passes it on.
+
+    ``MetricsProcessor.log`` computes tps, MFU and the memory peaks, gives
+    them to its backend (TensorBoard, W&B, or none) and prints them; it
+    returns nothing. Standing in for the backend reads exactly those values
+    instead of recomputing them differently.
+    """
+
+    def __init__(self, backend: BaseLogger):
+        self.backend = backend
+        self.last: dict = {}
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.last = metrics
+        self.backend.log(metrics, step)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _memory() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    return {"mem_allocated": torch.cuda.memory_allocated(), "mem_peak": torch.cuda.max_memory_allocated()}
+
+
+def record_losses(metrics_processor, dump_folder: str) -> None:
+    """Make ``metrics_processor`` (a built trainer's) also append every logged step to
+    ``<dump_folder>/loss.jsonl``; call it on rank 0 only.
+
+    It wraps ``metrics_processor.log`` on this one instance, the call where
+    TorchTitan already holds the all-reduced loss as a Python float, so the
+    recorded value is the logged one and training does no extra collective;
+    its logger backend, wrapped too, hands over the throughput and memory
+    figures that call computed. Step 1 starts a fresh file, so rerunning into
+    the same dump folder does not mix two runs; a run resumed from a checkpoint
+    appends.
+    """
+    path = os.path.join(dump_folder, LOSS_FILE)
+    start = time.perf_counter()
+    log = metrics_processor.log
+    backend = metrics_processor.logger = _KeepLastMetrics(metrics_processor.logger)
+
+    def log_and_record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        memory = _memory()  # before log(), which resets the peak statistics
+        backend.last = {}
+        log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        computed = {field: float(backend.last[key]) for field, key in TORCHTITAN_METRICS.items()
+                    if key in backend.last}
+        line = {"step": step, "loss": float(global_avg_loss), "max_loss": float(global_max_loss),
+                "grad_norm": float(grad_norm), "time": round(time.perf_counter() - start, 4), **computed, **memory}
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w" if step == 1 else "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    metrics_processor.log = log_and_record
