@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from test_train_ep1_cpu import CPU_OVERRIDES, UNIEP_VS_BASELINE_RTOL
 from training import REPO, run_in_own_group
+from stacks import requires_torchtitan
 
 from titan_uniep import bench_train
 from titan_uniep.bench_train import (
@@ -217,6 +218,7 @@ def _bench(tmp_path, *argv, timeout_s=300):
     return run_in_own_group(cmd, env=env, timeout_s=timeout_s)
 
 
+@requires_torchtitan("0.2")  # trains a TorchTitan 0.2 config pair
 @pytest.mark.slow
 def test_cpu_benchmark_of_the_ep1_pair_reports_torchtitans_figures_and_equal_losses(tmp_path):
     returncode, output = _bench(tmp_path, "--steps", "3", "--warmup", "1", "--runs", "2", "--schedule", "fused",
@@ -259,6 +261,7 @@ def test_cpu_benchmark_of_the_ep1_pair_reports_torchtitans_figures_and_equal_los
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@requires_torchtitan("0.2")  # trains a TorchTitan 0.2 config pair
 @pytest.mark.slow
 def test_a_failing_run_stops_the_benchmark_naming_the_run_its_exit_code_and_its_log(tmp_path):
     returncode, output = _bench(tmp_path, "--steps", "2", "--warmup", "1", "--", *CPU_OVERRIDES,

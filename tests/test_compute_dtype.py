@@ -13,6 +13,10 @@ is tested in test_op.py (interpreter) and on the GPU (tests/gpu).
 
 from __future__ import annotations
 
+from stacks import skip_module_unless_torchtitan
+
+skip_module_unless_torchtitan("0.2")  # imports TorchTitan 0.2's API (its edge) below
+
 import pytest
 import torch
 import torch.distributed as dist

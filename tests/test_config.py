@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from stacks import skip_module_unless_torchtitan
+
+skip_module_unless_torchtitan("0.2")  # imports TorchTitan 0.2's API (its edge) below
+
 import copy
 import textwrap
 

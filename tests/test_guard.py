@@ -6,6 +6,10 @@ step, strict mode stopping both processes) is in test_train_cpu.py.
 
 from __future__ import annotations
 
+from stacks import skip_module_unless_torchtitan
+
+skip_module_unless_torchtitan("0.2")  # imports TorchTitan 0.2's API (its edge) below
+
 import json
 import logging
 import os

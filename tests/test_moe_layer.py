@@ -7,6 +7,10 @@ other (bf16 tolerance in bf16, 1e-6 in float32). Forward and every gradient.
 
 from __future__ import annotations
 
+from stacks import skip_module_unless_torchtitan
+
+skip_module_unless_torchtitan("0.2")  # imports TorchTitan 0.2's API (its edge) below
+
 import copy
 import json
 import os

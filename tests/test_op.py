@@ -29,6 +29,8 @@ from titan_uniep import op
 from titan_uniep.oracle import float64_moe_oracle
 from titan_uniep.schedules import Routing, get_schedule
 
+from stacks import requires_torchtitan
+
 if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
 if not isinstance(tl.standard.cdiv, InterpretedFunction):
@@ -184,6 +186,7 @@ def test_interpreted_op_refuses_bf16_naming_the_fix(group, poisoned_memory):
     assert not op._workspaces
 
 
+@requires_torchtitan("0.2")  # a TorchTitan 0.2 MoE
 def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory):
     """A TorchTitan MoE (router, shared expert, load-balancing buffer) swapped to
     UniEP, schedule "fused" on the one-rank group, compiled in one graph
@@ -224,6 +227,7 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
         assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
 
 
+@requires_torchtitan("0.2")  # a TorchTitan 0.2 MoE
 def test_float32_compute_of_bf16_parameters_runs_the_kernels_in_fp32_and_returns_bf16(group, poisoned_memory):
     """``[uniep] compute_dtype = "float32"`` on bf16 parameters (FSDP mixed
     precision): the op gets fp32 tokens and weights (an fp32 workspace), the

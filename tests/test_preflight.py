@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from titan_uniep import preflight as pf
+from stacks import requires_torchtitan
 
 REPO = Path(__file__).resolve().parents[1]
 UNIEP_CONFIG = REPO / "train_configs" / "deepseek_v3_debug_uniep.toml"
@@ -87,6 +88,7 @@ def test_unknown_key_with_no_close_match_lists_the_sections_keys():
         pf.check_launch(["--job.config_file", str(UNIEP_CONFIG), "--uniep.zzz", "1"], world_size=2)
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 @pytest.mark.parametrize("edit,extra,match", [
     (("seq_len", "seqlen"), [], r"config file .*: seqlen is not a key of \[training\]; did you mean seq_len\?"),
     (("[training]", "[trainng]"), [], r"config file .*: \[trainng\] is not a section of the train config; did you "
@@ -124,6 +126,7 @@ def test_launch_stage_reads_degrees_and_dump_folder_from_file_and_overrides():
         pf.check_launch(args, world_size=3)
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 def test_launch_stage_defaults_are_torchtitans():
     from torchtitan.config.job_config import Job, Parallelism
 
@@ -171,6 +174,7 @@ def test_fitting_world_sizes_pass_and_resolve_the_shard_degree(world, shard):
     assert pf.check_world_size(_parallelism(expert_parallel_degree=4, context_parallel_degree=2), 4).dp_shard == 2
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 def test_preflight_reads_degrees_from_config_and_cli_overrides():
     with pytest.raises(ValueError, match=r"NGPU \(WORLD_SIZE\) = 1 .*expert_parallel_degree = 2"):
         pf.preflight(["--job.config_file", str(BASELINE_CONFIG)], world_size=1)
@@ -178,12 +182,14 @@ def test_preflight_reads_degrees_from_config_and_cli_overrides():
     pf.preflight(["--job.config_file", str(BASELINE_CONFIG), "--parallelism.expert_parallel_degree", "1"], world_size=1)
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 def test_preflight_runs_the_uniep_checks_that_need_no_model():
     with pytest.raises(ValueError, match=r"expert_parallel_comm_backend = 'deepep'"):
         pf.preflight(["--job.config_file", str(UNIEP_CONFIG), "--parallelism.expert_parallel_comm_backend", "deepep"],
                      world_size=2)
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 def test_bundled_tokenizer_path_resolves_from_any_working_directory(tmp_path, monkeypatch):
     from torchtitan.components.tokenizer import build_hf_tokenizer
     from torchtitan.config import ConfigManager
@@ -225,6 +231,7 @@ def _cached(cache: Path) -> list[str]:
             str(cache)]
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 def test_unreadable_or_foreign_tuning_cache_fails_preflight_naming_the_key(tmp_path):
     foreign = tmp_path / "foreign.json"
     foreign.write_text('{"format": "someone else\'s cache", "entries": []}')
@@ -316,6 +323,7 @@ def test_run_train_keeps_torchruns_logs_in_the_dump_folder(tmp_path):
     assert args[0].endswith("titan_uniep/torchrun.py") and args[args.index("--log-dir") + 1] == "out/x/logs", args
 
 
+@requires_torchtitan("0.2")  # TorchTitan 0.2's config parse
 @pytest.mark.slow
 def test_a_workers_start_up_error_is_the_last_thing_printed_without_torchruns_traceback(tmp_path):
     # A foreign tuning cache is found by the worker's preflight (after TorchTitan's import), not before torchrun.

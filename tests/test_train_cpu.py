@@ -21,8 +21,9 @@ import torch
 from titan_uniep.compare_loss import compare, load_run
 from titan_uniep.testing import check_recorded_layers
 from training import BASELINE, UNIEP, RunTimedOut, run_in_own_group, train
+from stacks import requires_torchtitan
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires_torchtitan("0.2")]  # TorchTitan 0.2 train configs
 
 STEPS = 8
 CHECKPOINT_STEP = 4

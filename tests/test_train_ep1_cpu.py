@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from titan_uniep.compare_loss import compare, load_run
+from stacks import requires_torchtitan
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires_torchtitan("0.2")]  # TorchTitan 0.2 train configs
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 5

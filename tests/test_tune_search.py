@@ -18,6 +18,8 @@ import torch
 from titan_uniep import timing, tune
 from titan_uniep.params import default_params
 
+from stacks import requires_torchtitan
+
 REPO = Path(__file__).resolve().parents[1]
 LAYER = tune.MoELayer("layer", 4096, 2048, 768, 128, 8)
 
@@ -225,6 +227,7 @@ def test_alternating_rounds_build_each_path_alone_and_drop_a_failing_one(monkeyp
     assert seen.count("broken") == 1 and len(seen) == 10
 
 
+@requires_torchtitan("0.2")  # a TorchTitan 0.2 train config
 def test_config_layers_reads_the_moe_shape_of_a_train_config():
     layers, ep = tune.config_layers(str(REPO / "train_configs" / "qwen3_30b_a3b_4l_uniep.toml"))
     assert ep == 1

@@ -20,6 +20,8 @@ from titan_uniep.params import default_params
 from titan_uniep.tuning import cache, selection
 from titan_uniep.tuning.cache import CacheEntry, CacheKey, load, lookup, save, token_bucket
 
+from stacks import requires_torchtitan
+
 KEY = CacheKey(gpu="NVIDIA H200", ep_size=2, dtype="bfloat16", token_bucket=8192, dim=2048, hidden=768,
                num_experts=128, top_k=8, score_before_experts=False, kernel_version="0123456789abcdef")
 FORWARD = {"fc2_block_n": 256, "dispatch_programs": 32, "local_first": True}
@@ -247,6 +249,7 @@ flavor = "debugmodel"
 """
 
 
+@requires_torchtitan("0.2")  # a TorchTitan 0.2 train config
 @pytest.mark.parametrize("lines,match", [
     ('tuning = "fast"', r"\[uniep\] tuning = 'fast' is not a tuning mode; use one of 'off', 'cached', 'search'"),
     ('tuning = "cached"', r"\[uniep\] tuning = 'cached' tunes UniEP's kernels, but schedule = \"reference\" runs "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 
 __version__ = "0.1.0"
 
@@ -50,4 +51,15 @@ def _register() -> None:
     _register_train_specs()
 
 
-_register()
+def _torchtitan_series() -> str | None:
+    """The installed TorchTitan's release series ("0.2", "0.3"), None without it."""
+    try:
+        return ".".join(importlib.metadata.version("torchtitan").split(".")[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# The TOML hook is TorchTitan 0.2's; with another release (or none) installed the core
+# (layout, kernels, runtime, schedules, op, tuning) still imports.
+if _torchtitan_series() == "0.2":
+    _register()

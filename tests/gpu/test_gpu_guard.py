@@ -1,5 +1,9 @@
 """The check-mode guard on a GPU: comparing never synchronises with the host."""
 
+from stacks import skip_module_unless_torchtitan
+
+skip_module_unless_torchtitan("0.2")  # imports TorchTitan 0.2's API (its edge) below
+
 import logging
 
 import pytest
