@@ -1,5 +1,6 @@
-"""Everything titan_uniep and its scripts import at run time is a declared dependency,
-so a fresh ``pip install -e .`` has the progress bar and the plots the README shows."""
+"""Everything titan_uniep and its scripts import at run time is a declared dependency
+(of the package, or of a TorchTitan stack's extra), so a fresh install of a stack has
+the progress bar and the plots the README shows."""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ def _top_level_imports(path: Path) -> set[str]:
 
 
 def _declared() -> set[str]:
+    """The base dependencies and those of the TorchTitan stacks' extras (TorchTitan
+    itself comes with its stack: ``pip install -e ".[torchtitan-0-2,test]"``)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    stacks = [spec for name, specs in project["optional-dependencies"].items() if name.startswith("torchtitan-")
+              for spec in specs]
     return {re.split(r"[\s<>=!~;\[]", spec, maxsplit=1)[0].lower().replace("_", "-")
-            for spec in project["dependencies"]}
+            for spec in [*project["dependencies"], *stacks]}
 
 
 def test_every_third_party_import_of_the_package_and_scripts_is_declared():
