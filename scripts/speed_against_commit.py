@@ -17,6 +17,7 @@ two versions. One JSON line per shape, then a Markdown table.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import shutil
@@ -49,9 +50,7 @@ def import_base(rev: str, into: Path):
     for path in package.rglob("*.py"):
         path.write_text(re.sub(r"\btitan_uniep\b", BASE_NAME, path.read_text()))
     sys.path.insert(0, str(into))
-    import titan_uniep_base.runtime as runtime
-
-    return runtime
+    return importlib.import_module(f"{BASE_NAME}.runtime")
 
 
 def layer_calls(runtime, shape, inputs, score_before: bool):
