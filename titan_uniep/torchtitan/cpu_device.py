@@ -1,15 +1,18 @@
-"""What a TorchTitan run without a GPU needs from ``torch.cuda``, for every edge's CPU shims."""
+"""What a TorchTitan run without a GPU needs from ``torch.cuda`` and from gloo, for every edge's CPU shims."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import resource
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["CpuDeviceModule", "cpu_has_native_bf16"]
+__all__ = ["CpuDeviceModule", "cpu_has_native_bf16", "with_sum_only_reductions"]
 
 
 class CpuDeviceModule:
@@ -72,3 +75,20 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def with_sum_only_reductions(disable_division: Callable[[torch.nn.Module], None]) -> Callable[[torch.nn.Module], None]:
+    """TorchTitan's ``disable_fsdp_gradient_division`` (every release ends FSDP's
+    setup with it) followed by SUM-only reductions on every FSDP module. It sets
+    FSDP's divide factor to 1.0, and FSDP then reduce-scatters with
+    ``ReduceOp.PREMUL_SUM``, which gloo lacks; a SUM with a post-division by 1.0
+    keeps the math."""
+
+    @functools.wraps(disable_division)
+    def disable_division_with_sum_only_comms(model: torch.nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    return disable_division_with_sum_only_comms

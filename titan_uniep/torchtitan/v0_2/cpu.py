@@ -14,9 +14,8 @@ import functools
 import warnings
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
-from titan_uniep.torchtitan.cpu_device import CpuDeviceModule, cpu_has_native_bf16
+from titan_uniep.torchtitan.cpu_device import CpuDeviceModule, cpu_has_native_bf16, with_sum_only_reductions
 
 _applied = False
 
@@ -68,17 +67,10 @@ def _fsdp_sum_only_reductions() -> None:
     from torchtitan.models.llama3.infra import parallelize as llama3_parallelize
     from torchtitan.models.llama4.infra import parallelize as llama4_parallelize
 
-    disable_division = llama3_parallelize.disable_fsdp_gradient_division
-
-    def disable_division_with_sum_only_comms(model: torch.nn.Module) -> None:
-        disable_division(model)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-
+    sum_only = with_sum_only_reductions(llama3_parallelize.disable_fsdp_gradient_division)
     # llama4's module imported the function by name, so it holds its own reference.
-    llama3_parallelize.disable_fsdp_gradient_division = disable_division_with_sum_only_comms
-    llama4_parallelize.disable_fsdp_gradient_division = disable_division_with_sum_only_comms
+    llama3_parallelize.disable_fsdp_gradient_division = sum_only
+    llama4_parallelize.disable_fsdp_gradient_division = sum_only
 
 
 def apply_cpu_shims() -> bool:

@@ -10,17 +10,15 @@ about GPU speed.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import create_mask
 from torchtitan.config import derive
 from torchtitan.models.common.attention import FlexAttention
 
-from titan_uniep.torchtitan.cpu_device import CpuDeviceModule
+from titan_uniep.torchtitan.cpu_device import CpuDeviceModule, with_sum_only_reductions
 
 __all__ = ["CPU_ARGS", "DenseMaskAttention", "apply_cpu_shims", "use_dense_mask_attention"]
 
@@ -66,16 +64,7 @@ def _fsdp_sum_only_reductions() -> None:
     # (a post-division by 1.0).
     from torchtitan.distributed import fsdp
 
-    disable_division = fsdp.disable_fsdp_gradient_division
-
-    @functools.wraps(disable_division)
-    def disable_division_with_sum_only_comms(model: torch.nn.Module) -> None:
-        disable_division(model)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-
-    fsdp.disable_fsdp_gradient_division = disable_division_with_sum_only_comms
+    fsdp.disable_fsdp_gradient_division = with_sum_only_reductions(fsdp.disable_fsdp_gradient_division)
 
 
 def apply_cpu_shims() -> bool:
