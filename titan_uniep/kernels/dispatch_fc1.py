@@ -63,17 +63,11 @@ def fc1_launch_stages(num_stages: int, score_before: bool) -> int:
     pipelining) with scores before the experts.
 
     There the fc1 tile scales its gathered rows by the router score in
-    registers, so Triton 3.6 feeds them to wgmma from registers (the
-    register-A form), and pipelined it keeps up to seven wgmma groups in
-    flight across K steps. On an H200 that tile, at 3 stages, gave another
-    result on every call once constexprs that only touch other code changed
-    (``GROUP_M`` 1, or the dispatch's ``BT`` 32, on a 576 x 744 layer), off
-    by up to 0.18 against float64 where the default point is off by 0.019;
-    at 1 or 2 stages, or 4 warps, it gave the default point's bits on every
-    call (``docs/design.md``, "Scores before the experts: fc1 unpipelined").
-    2 stages compile to the same in-flight structure, so only the
-    unpipelined form is safe by construction: every wgmma completes before
-    the next K step loads (no wgmma group pending, which
+    registers, so Triton 3.6 feeds them to wgmma from registers, and
+    pipelined (2 stages or more) it keeps wgmma groups in flight across K
+    steps; that loop raced on an H200 (evidence: ``docs/design.md``, "Scores
+    before the experts: fc1 unpipelined"). Unpipelined, every wgmma
+    completes before the next K step loads (no group pending, which
     ``tests/test_kernels_compile.py`` checks). The products and their order
     are unchanged, so are the bits."""
     return 1 if score_before else num_stages
