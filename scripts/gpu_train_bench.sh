@@ -27,8 +27,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/uniep-train}
 WHEELS=${WHEELS:-.gpu-wheels}
 NGPU=${NGPU:-1}
-BENCH_STEPS=${BENCH_STEPS:-40}
-WARMUP=${WARMUP:-8}
+BENCH_STEPS=${BENCH_STEPS:-50}
+WARMUP=${WARMUP:-10}
 RUNS=${RUNS:-2}
 LONG_STEPS=${LONG_STEPS:-200}
 read -r -a OVERRIDES <<< "${OVERRIDES:-}"
@@ -49,11 +49,11 @@ bench() {  # bench NAME [bench_train options]
         --out "$OUT/$name" "$@" ${OVERRIDES[@]+-- "${OVERRIDES[@]}"} || status=1
 }
 
-train() {  # train CONFIG DUMP_FOLDER [overrides]: one run of $LONG_STEPS steps, deterministic on
+train() {  # train CONFIG DUMP_FOLDER [overrides]: one run of $LONG_STEPS steps, deterministic on, every step logged
     local config=$1 dump=$2
     shift 2
     echo "== $(basename "$config") -> $dump $*"
-    NGPU=$NGPU CONFIG_FILE=$config ./run_train.sh --training.steps "$LONG_STEPS" --debug.deterministic \
+    NGPU=$NGPU CONFIG_FILE=$config ./run_train.sh --training.steps "$LONG_STEPS" --debug.deterministic --metrics.log_freq 1 \
         --job.dump_folder "$dump" "${OVERRIDES[@]}" "$@" > "$dump.log" 2>&1 || { status=1; tail -30 "$dump.log"; }
 }
 

@@ -54,6 +54,15 @@ def test_run_medians_leave_out_the_warmup_steps_and_memory_takes_their_largest_p
     assert (stats["first_step"], stats["last_step"], stats["measured_steps"]) == (3, 7, 5)
 
 
+def test_with_sparse_logging_only_windows_wholly_after_the_warmup_count():
+    # metrics.log_freq = 10 (TorchTitan's default): step 10's figures cover steps 2-10, warm-up included.
+    records = [step(1, 5.0), step(10, 50.0)] + [step(n, 100.0 + n) for n in (20, 30, 40)]
+    stats = run_stats(records, warmup=10)
+    assert (stats["first_step"], stats["last_step"], stats["measured_steps"]) == (20, 40, 3)
+    assert stats["tps"] == 130.0
+    assert run_stats(records, warmup=9)["first_step"] == 20  # step 10's window starts at step 2
+
+
 def test_fields_a_cpu_run_does_not_report_are_none():
     records = [{k: v for k, v in step(n, 100.0 + n).items() if k != "mfu_pct"} for n in range(1, 4)]
     stats = run_stats(records, warmup=1)

@@ -46,7 +46,7 @@ class Spy:
 
     def __call__(self, x, routing, w1, w2, w3, *, group, score_before_experts, out_dtype=None):
         self.calls.append({"x": x.dtype, "weights": {w.dtype for w in (w1, w2, w3)}, "w1_ptr": w1.data_ptr(),
-                           "out_dtype": out_dtype})
+                           "out_dtype": out_dtype, "scores": routing.top_scores.dtype})
         return get_schedule("reference")(x, routing, w1, w2, w3, group=group,
                                          score_before_experts=score_before_experts, out_dtype=out_dtype)
 
@@ -58,12 +58,15 @@ def spy():
     return recorder
 
 
+def _args(use_grouped_mm: bool = True) -> MoEArgs:
+    return MoEArgs(num_experts=EXPERTS, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
+                   score_before_experts=False, use_grouped_mm=use_grouped_mm)
+
+
 def _moe(param_dtype: torch.dtype, use_grouped_mm: bool, group, requested: str = "auto") -> MoE:
     apply_cpu_shims()  # TorchTitan's router: integer histc on CPU
     torch.manual_seed(7)
-    args = MoEArgs(num_experts=EXPERTS, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
-                   score_before_experts=False, use_grouped_mm=use_grouped_mm)
-    moe = MoE(args, dim=DIM, hidden_dim=HIDDEN)
+    moe = MoE(_args(use_grouped_mm), dim=DIM, hidden_dim=HIDDEN)
     with torch.no_grad():
         moe.init_weights(init_std=0.1, buffer_device=torch.device("cpu"))
     moe = moe.to(param_dtype)
@@ -119,17 +122,36 @@ def test_experts_compute_in_torchtitans_dtype_and_return_every_tensor_in_its_own
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, f"{case}: {name}.grad"
 
 
-def test_fp32_tokens_get_the_fp32_sum_over_k_not_a_bf16_rounding_of_it(group, spy):
-    """Under AMP the tokens are fp32 and the GEMMs bf16: the schedule sums the
-    K bf16 expert rows in fp32 and returns that sum in fp32, as TorchTitan's
-    experts (bf16 rows, cast back, combined in fp32), not rounded to bf16 first."""
+def test_under_amp_the_combine_rounds_as_torchtitans_bmm(group, spy):
+    """Under AMP the tokens are fp32 and the GEMMs bf16. TorchTitan 0.2.2's MoE
+    sums the K scored expert rows with ``torch.bmm``, which autocast runs in
+    bf16: the scores and the sum are rounded to bf16, then cast back to fp32.
+    The UniEP layer rounds the same (scores and the sum over k) and returns
+    fp32, against TorchTitan's own MoE on the same weights; without autocast
+    the fp32 sum is not rounded."""
     moe = _moe(torch.float32, True, group)
     x = torch.randn(13, DIM)
+    routing = _routing(moe, x)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        out = moe.experts(x, _routing(moe, x))
-    assert spy.calls[0]["out_dtype"] == torch.float32
+        out = moe.experts(x, routing)
+    (call,) = spy.calls
+    assert call["out_dtype"] == torch.bfloat16 and call["scores"] == torch.bfloat16, call
     assert out.dtype == torch.float32
-    assert not torch.equal(out, out.bfloat16().float()), "the output was rounded to bf16"
+    assert torch.equal(out, out.bfloat16().float()), "the sum over k was not rounded to bf16"
+
+    # TorchTitan's own MoE (its grouped-GEMM experts, its bmm combine) on the same weights and routing.
+    torchtitan_moe = MoE(_args(), dim=DIM, hidden_dim=HIDDEN)
+    torchtitan_moe.load_state_dict(moe.state_dict())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = torchtitan_moe(x.view(1, 13, DIM)).view(13, DIM)
+    assert theirs.dtype == torch.float32 and torch.equal(theirs, theirs.bfloat16().float())
+    # The same bf16 roundings; the expert GEMMs' sums (grouped GEMM against per-expert matmul) and the
+    # bmm's order may differ in the last bits.
+    torch.testing.assert_close(out, theirs, rtol=2**-6, atol=2**-8 * theirs.abs().max().item())
+
+    with torch.no_grad():
+        exact = moe.experts(x.bfloat16().float(), routing)
+    assert not torch.equal(exact, exact.bfloat16().float()), "without autocast the fp32 sum was rounded"
 
 
 def test_resolve_names_the_key_and_the_values():

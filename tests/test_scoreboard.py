@@ -17,7 +17,7 @@ slot) claims the group's first failure and sets every rank's abort word;
 every other wait gives up at once and records that it *stopped*; every
 rank's error names the rank, task and counter that failed first; the lazy
 error check (the fused path's default) reports it at the next call or at the
-trainer's per-step check (``titan_uniep.op.raise_pending_errors``). Where a
+trainer's per-step check (``titan_uniep.op.end_step``). Where a
 wait that ignored the abort word would spin, the spin bound is 10^5 polls
 (about 25 CPU-seconds a wait here), so a regression shows as a ``FAILED``
 record where ``STOPPED`` is expected, and as time.
@@ -253,6 +253,65 @@ def test_lazy_check_reports_the_failure_at_the_next_call_and_at_the_step_end(mon
     trainer.model_parts = []  # no model: only the per-step check runs
     with pytest.raises(RuntimeError, match=root):
         trainer.train_step(iter(()))
+
+
+def _failed_workspace(seed):
+    """A forward workspace whose last (lazily checked) call failed: rank 1 sent nothing."""
+    w = make_world(2, 8, 3, [6, 6], seed=seed)
+    params = interpreter_params(debug_silent_rank=1, interpreter_max_spins=3)
+    ws = Workspace.simulated(2, num_tokens=6, dim=DIM, hidden=HIDDEN, num_experts=8, top_k=3, dtype=torch.float32,
+                             params=params)
+    forward(w, ws, params, error_check="lazy")  # does not raise
+    return ws
+
+
+ROOT_CAUSE = r"EP rank 0 failed first \(call epoch 1, task \d+\): dispatch_fc1 \(fc1 tile\)"
+
+
+def test_step_end_check_raises_at_the_next_steps_first_call(monkeypatch):
+    """``op.end_step`` does not sync; the op's next call, whichever workspace it
+    uses, waits for the copies of every workspace and raises before it
+    launches. Without calls of the op since the last check (a CUDA-graph
+    replay), ``end_step`` checks at once."""
+    from titan_uniep import op
+
+    monkeypatch.setattr(op, "_workspaces", {"failed (another layer shape or the backward)": _failed_workspace(37)})
+    monkeypatch.setattr(op, "_host_calls", 0)
+    monkeypatch.setattr(op, "_check_at_next_call", False)
+    op._check_step_copies()  # a call of the step: counted, nothing to wait for yet
+    op.end_step()  # no sync, no raise
+    with pytest.raises(RuntimeError, match=ROOT_CAUSE):
+        op._check_step_copies()  # the next step's first call, at the op's entry
+    monkeypatch.setattr(op, "_host_calls", 0)
+    with pytest.raises(RuntimeError, match=ROOT_CAUSE):
+        op.end_step()  # no call ran its Python this step: checked at once
+
+
+@torchtitan_0_2  # the 0.2.2 edge's trainer
+@pytest.mark.parametrize("checkpoint_due", [False, True])
+def test_trainer_checks_before_a_checkpoint_and_defers_otherwise(monkeypatch, checkpoint_due):
+    """After a step with a failed call, the trainer raises at once where a
+    checkpoint follows the step (or it is the last), and otherwise leaves it
+    to the next step's first MoE call."""
+    from titan_uniep import op
+    from titan_uniep.torchtitan.v0_2 import train
+
+    monkeypatch.setattr(op, "_workspaces", {"layer": _failed_workspace(41)})
+    monkeypatch.setattr(op, "_host_calls", 4)  # the step's MoE calls ran on the host
+    monkeypatch.setattr(op, "_check_at_next_call", False)
+    monkeypatch.setattr(train.Trainer, "train_step", lambda self, data_iterator: None)
+    trainer = train.LossRecordingTrainer.__new__(train.LossRecordingTrainer)
+    trainer.model_parts = []
+    trainer.step = 3
+    trainer.job_config = SimpleNamespace(training=SimpleNamespace(steps=10))
+    trainer.checkpointer = SimpleNamespace(_should_save=lambda step, last_step=False: checkpoint_due)
+    if checkpoint_due:
+        with pytest.raises(RuntimeError, match=ROOT_CAUSE):
+            trainer.train_step(iter(()))
+        return
+    trainer.train_step(iter(()))
+    with pytest.raises(RuntimeError, match=ROOT_CAUSE):
+        op._check_step_copies()
 
 
 def test_backward_silent_rank_lazy_check_names_the_root_cause():

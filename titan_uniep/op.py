@@ -35,10 +35,15 @@ parallelize hook from the job's batch and sequence length), with the
 
 Errors: the fused path checks its workspace's error words without a host
 sync (``Workspace.poll_errors``), so a failure may surface only some calls
-later; ``raise_pending_errors()`` checks every workspace once, and the
-trainer (``titan_uniep.torchtitan.train``) calls it at the end of every training step,
-on every rank, so a layer output that no reduce task wrote is never
-consumed past that step.
+later. ``raise_pending_errors()`` checks every workspace now (a host sync).
+``end_step()`` is the trainer's per-step check (``titan_uniep.torchtitan.trainer``,
+every rank, after every step): it makes the next call of the op wait for
+the error copies that this step's calls queued and raise what they show,
+before that call launches anything. So a failure in step N stops the run
+before step N + 1's first MoE layer, without a sync of its own: by then
+TorchTitan's copy of step N + 1's batch to the device has waited for step
+N's kernels. Where no call of the op ran on the host during the step
+(CUDA-graph replay), ``end_step`` checks at once, with a sync.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from titan_uniep.runtime import (
 )
 from titan_uniep.tuning.selection import select_params
 
-__all__ = ["moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens", "workspace_for"]
+__all__ = ["end_step", "moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens", "workspace_for"]
 
 _workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
@@ -78,10 +83,49 @@ def raise_pending_errors() -> None:
     """Raise RuntimeError if a UniEP kernel of this rank failed, or stopped
     because a peer failed, in any workspace of the op; the message names the
     EP rank, task and counter that failed first. Synchronises with the device
-    (a small copy): call it where the host has synchronised anyway, as the
-    trainer does after each step."""
+    (a small copy): the trainer calls it before a checkpoint is saved and
+    after the last step."""
+    global _check_at_next_call, _host_calls
+    _check_at_next_call, _host_calls = False, 0
     for ws in _workspaces.values():
         ws.check_errors()
+
+
+_host_calls = 0  # calls of the op whose Python ran since the last end_step
+_check_at_next_call = False
+
+
+def end_step() -> None:
+    """The per-step error check, without a host sync of its own.
+
+    Every call of the op queued a copy of its workspace's error words after
+    its kernels (the fused path) or checked them itself (the sequential
+    path); the next call waits for those copies and raises what they show
+    before it launches anything (``_check_step_copies``). Where no call ran
+    its Python since the last check (a CUDA-graph replay queues no copy),
+    this checks every workspace now (``raise_pending_errors``, a sync).
+    """
+    global _check_at_next_call, _host_calls
+    if _host_calls == 0:
+        raise_pending_errors()
+        return
+    _host_calls = 0
+    _check_at_next_call = True
+
+
+def _check_step_copies() -> None:
+    """At every call's entry: count it, and after ``end_step`` wait for every
+    workspace's queued error copies and raise a failure they show. Inside
+    CUDA-graph capture nothing is waited for (a capture cannot sync)."""
+    global _check_at_next_call, _host_calls
+    _host_calls += 1
+    if not _check_at_next_call:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    _check_at_next_call = False
+    for ws in _workspaces.values():
+        ws.wait_errors()
 
 
 def _workspace_key(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, score_before_experts: bool,
@@ -168,6 +212,7 @@ def moe_experts(
     in ``out_dtype`` (default x's: the GEMMs run in x's dtype, the sum over k in fp32 is
     rounded once to the output's) and the receive slots' h1 | h3 ``(slot_capacity, 2H)``
     (for the backward only)."""
+    _check_step_copies()
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts)
     h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
@@ -220,6 +265,7 @@ def moe_experts_backward(
     """Gradients ``(dx, dscores fp32, dw1, dw2, dw3)`` of ``moe_experts`` given the
     output gradient and the forward's h1 | h3 (see titan_uniep.runtime.backward);
     every one contiguous, in the shape of its input."""
+    _check_step_copies()
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts,
                        backward=True)
     weights = (w1.contiguous(), w2.contiguous(), w3.contiguous())

@@ -58,9 +58,10 @@ not sync: it inspects the copies that ``schedule_error_poll()`` queued on the
 stream after earlier calls, oldest first, once each has landed (a ring of
 pinned copies: a later call never discards an earlier copy still in flight,
 so a failure surfaces at the first MoE call after the failed call's kernels
-have finished). The fused path polls at entry and queues a copy at exit;
-``titan_uniep.op.raise_pending_errors()`` checks every workspace at the end
-of a training step. After a failure the workspace is unusable (ranks' epochs
+have finished); ``wait_errors()`` waits for the queued copies first. The
+fused path polls at entry and queues a copy at exit; the trainer's per-step
+check (``titan_uniep.op.end_step``) has the next step's first MoE call wait
+for every workspace's copies. After a failure the workspace is unusable (ranks' epochs
 and counters disagree; its abort word stays set): raise, and rebuild it.
 """
 
@@ -453,6 +454,17 @@ class Workspace:
         for control, aborts in self._error_copies.landed():
             self._raise_from(control, aborts)
 
+    def wait_errors(self) -> None:
+        """Wait for every queued copy of the error words (``schedule_error_poll``)
+        to land and raise a failure any of them shows: the kernels queued
+        before the last copy are then checked. Waits only for those copies,
+        not for work queued after them."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        self._error_copies.wait()
+        for control, aborts in self._error_copies.landed():
+            self._raise_from(control, aborts)
+
     def schedule_error_poll(self) -> None:
         """Queue a copy of the error words (control and abort words) to pinned host
         memory on the current stream (no sync); skipped during CUDA-graph capture."""
@@ -511,6 +523,12 @@ class ErrorCopies:
         if self.events[slot] is not None:
             self.events[slot].record()
         self.pending.append(slot)
+
+    def wait(self) -> None:
+        """Wait until every pending copy has landed."""
+        for slot in self.pending:
+            if self.events[slot] is not None:
+                self.events[slot].synchronize()
 
     def landed(self):
         """Yield (control, abort words) of every copy that has landed, oldest first."""
@@ -627,3 +645,8 @@ class BackwardWorkspace:
         """Raise if a queued copy of the error record shows a failure (no sync;
         see ``Workspace.poll_errors``)."""
         self.inner.poll_errors()
+
+    def wait_errors(self) -> None:
+        """Wait for the queued copies of the error record and raise a failure
+        they show (see ``Workspace.wait_errors``)."""
+        self.inner.wait_errors()

@@ -350,6 +350,11 @@ def read_records(dump_folder: Path) -> list[dict]:
 def run_stats(records: list[dict], warmup: int, source: str = "loss.jsonl") -> dict:
     """One run's figures over its logged steps after ``warmup``.
 
+    TorchTitan's figures of a logged step cover the steps since the previous
+    logged one (every step at ``metrics.log_freq = 1``; ten at its default):
+    a logged step counts only if its whole window comes after the warm-up,
+    i.e. the previous logged step is ``warmup`` or later.
+
     Returns the median of each of ``MEDIAN_FIELDS``, the largest of each of
     ``PEAK_FIELDS`` (None where no step has the field, e.g. memory on a
     machine that does not report it), and ``first_step``, ``last_step``,
@@ -358,7 +363,8 @@ def run_stats(records: list[dict], warmup: int, source: str = "loss.jsonl") -> d
     Raises:
         ValueError: no logged step after the warm-up, or steps without TorchTitan's ``tps``.
     """
-    measured = [r for r in records if r["step"] > warmup]
+    previous = [0] + [r["step"] for r in records[:-1]]
+    measured = [r for r, before in zip(records, previous) if before >= warmup]
     if not measured:
         logged = [r["step"] for r in records]
         raise ValueError(f"{source}: no logged step after the {warmup} warm-up steps (logged steps: {logged}); "

@@ -175,6 +175,12 @@ class UniEPExperts:
     where the run asks for them, ``steps``, ``guard`` and ``test_hooks``.
     """
 
+    combine_follows_autocast: bool = False
+    """Whether the framework's combine (scores after the experts) runs in
+    autocast's dtype: TorchTitan 0.2.2's MoE sums the K scored rows with
+    ``torch.bmm``, which autocast runs in bf16 (scores rounded to bf16, the
+    sum rounded to bf16, then cast back to the tokens' dtype); 0.3.0's scales
+    each row in fp32 and sums in the tokens' dtype."""
     ep_group: dist.ProcessGroup | None
     schedule: str
     score_before_experts: bool
@@ -209,7 +215,12 @@ class UniEPExperts:
                 f"{self.layer_name}: UniEP experts have no EP group; they must be parallelized by "
                 "UniEP's TorchTitan edge (a UniEP train config with [uniep] enable = true)"
             )
-        out_dtype = x.dtype
+        tokens_dtype = out_dtype = x.dtype
+        combine_dtype = self._combine_dtype(x)
+        if combine_dtype is not None:
+            # The framework's combine precision: scores and the sum over k rounded to it.
+            routing = Routing(routing.top_scores.to(combine_dtype), routing.selected_experts_indices)
+            out_dtype = combine_dtype
         x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, w1, w2, w3)
         run = get_schedule(self.schedule)
         out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts,
@@ -225,4 +236,14 @@ class UniEPExperts:
             self.guard.compare(out.detach(), again, self.layer_name, self.ep_group)
         if self.test_hooks is not None and self.steps is not None and not in_backward():
             self.test_hooks.record_layer(self.layer_name, self.steps.step, self.ep_group, x, routing, w1, w2, w3, out)
-        return out
+        return out.to(tokens_dtype)
+
+    def _combine_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype the framework's combine rounds scores and the sum over k to,
+        where it is not the tokens' own (None)."""
+        if not self.combine_follows_autocast or self.score_before_experts:
+            return None
+        if not torch.is_autocast_enabled(x.device.type):
+            return None
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return dtype if dtype != x.dtype and dtype.itemsize < x.dtype.itemsize else None

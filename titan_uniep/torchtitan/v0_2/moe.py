@@ -32,6 +32,9 @@ class UniEPGroupedExperts(UniEPExperts, GroupedExperts):
     hook (``parallelize.py``).
     """
 
+    # TorchTitan 0.2.2's MoE.forward combines with torch.bmm: under AMP in bf16.
+    combine_follows_autocast = True
+
     def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if isinstance(self.w1, DTensor):
             # Expert weights are Shard(0) on the EP mesh: the local shard is
