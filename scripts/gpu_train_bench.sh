@@ -14,8 +14,9 @@
 #   qwen3_compile     the qwen3 pair with --compile.enable
 #   qwen3_sac         the qwen3 pair with activation_checkpoint.mode = "selective"
 #   profile           one UniEP qwen3 run with TorchTitan's profiler at step 10: GPU time by kernel
-#   long              the qwen3 pair for $LONG_STEPS steps (deterministic on): UniEP fused against the
-#                     baseline (relative loss difference), fused against sequential (bitwise)
+#   long              the qwen3 pair for $LONG_STEPS steps (deterministic on, every step logged): UniEP fused
+#                     against the baseline (relative loss difference), fused against sequential (bitwise), and
+#                     the baseline against its own run with deterministic off (the spread to read that against)
 #   tuned             titan_uniep.tools.tune --config on the qwen3 UniEP config, then $LONG_STEPS steps with
 #                     [uniep] tuning = "cached" against the default point's fused run (bitwise)
 #
@@ -76,6 +77,10 @@ for step in ${STEPS:-qwen3 deepseek}; do
         train train_configs/qwen3_30b_a3b_4l_baseline.toml "$OUT/long/baseline"
         train train_configs/qwen3_30b_a3b_4l_uniep.toml "$OUT/long/fused"
         train train_configs/qwen3_30b_a3b_4l_uniep.toml "$OUT/long/sequential" --uniep.schedule sequential
+        # TorchTitan against itself (deterministic off): the spread the UniEP difference is read against.
+        train train_configs/qwen3_30b_a3b_4l_baseline.toml "$OUT/long/baseline_nondeterministic" --debug.no-deterministic
+        python3 -m titan_uniep.tools.compare_loss "$OUT/long/baseline" "$OUT/long/baseline_nondeterministic" \
+            --labels baseline "baseline, deterministic off" | tail -3
         python3 -m titan_uniep.tools.compare_loss "$OUT/long/baseline" "$OUT/long/fused" --rtol 1e-2 \
             --labels baseline "uniep fused" --plot "$OUT/long/fused_vs_baseline.png" | tail -8 || status=1
         python3 -m titan_uniep.tools.compare_loss "$OUT/long/sequential" "$OUT/long/fused" --assert-bitwise \

@@ -195,7 +195,7 @@ def test_report_tables_json_lines_and_plots_come_from_the_runs_records(tmp_path)
         row = record_run(report, spec, wall_s=12.3, warmup=1, reference=tmp_path / "baseline_1")
         assert row["tps"] == t + 3
     assert bench_train.progress_line(report.runs[1], 4) == (
-        "[2/4] uniep run 1: 4 steps, 1,503 tok/s/device (median of steps 2-4), 2.0 GiB peak, 12 s")
+        "[2/4] uniep run 1: 4 logged steps, 1,503 tok/s/device (median of steps 2-4), 2.0 GiB peak, 12 s")
 
     table = bench_train.markdown(report)
     assert "| baseline 1 | 1,003 |" in table and "| reference |" in table
@@ -236,7 +236,7 @@ def test_cpu_benchmark_of_the_ep1_pair_reports_torchtitans_figures_and_equal_los
                                 "--", *CPU_OVERRIDES)
     assert returncode == 0, output[-6000:]
     out = tmp_path / "out"
-    progress = re.findall(r"^\[(\d)/4\] (baseline|uniep) run (\d): 3 steps, [\d,]+ tok/s/device "
+    progress = re.findall(r"^\[(\d)/4\] (baseline|uniep) run (\d): 3 logged steps, [\d,]+ tok/s/device "
                           r"\(median of steps 2-3\), [\d.]+ GiB peak, \d+ s$", output, re.MULTILINE)
     alternating = [("1", "baseline", "1"), ("2", "uniep", "1"), ("3", "baseline", "2"), ("4", "uniep", "2")]
     assert progress == alternating, output

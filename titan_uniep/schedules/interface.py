@@ -40,8 +40,9 @@ class ScheduleFn(Protocol):
 
     The expert GEMMs run in the dtype of ``x`` and the weights (the caller
     casts them: ``titan_uniep.compute_dtype``); the output, summed over k in
-    fp32, is rounded once to ``out_dtype`` (default ``x.dtype``), so an fp32
-    caller under AMP gets the fp32 sum, as from TorchTitan's experts."""
+    fp32, is rounded once to ``out_dtype`` (default ``x.dtype``; a TorchTitan
+    edge passes the dtype its release's combine rounds to, see
+    ``titan_uniep.torchtitan.layer.UniEPExperts``)."""
 
     def __call__(
         self,

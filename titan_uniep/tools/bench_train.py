@@ -19,8 +19,10 @@ the override is explicit both ways).
 Every run's figures are TorchTitan's own, as its step log line prints them,
 read from the ``loss.jsonl`` that ``titan_uniep.torchtitan.train`` writes on rank 0 (see
 its docstring): tokens per second per device (``tps``), step time, MFU,
-TFLOP/s, and the peak reserved memory. Per run, the medians over the logged
-steps after ``--warmup`` (memory: the largest peak over those steps); per side,
+TFLOP/s, and the peak reserved memory, each over the steps since the
+previous logged step (``metrics.log_freq``). Per run, the medians over the
+logged steps whose window lies after ``--warmup`` (memory: the largest peak
+over them); per side,
 the median of the runs' figures with their min-max; the ratio uniep / baseline
 of tokens/s, with its range from the runs' extremes. Each run's loss curve is
 compared with baseline run 1 (``titan_uniep.tools.compare_loss``: the largest and
@@ -541,9 +543,9 @@ def markdown(report: Report) -> str:
 
 
 def progress_line(run: dict, total: int) -> str:
-    """``[3/4] uniep run 2: 40 steps, 74,312 tok/s/device (median of steps 6-40), 42.1 GiB peak, 58 s``."""
+    """``[3/4] uniep run 2: 40 logged steps, 74,312 tok/s/device (median of steps 6-40), 42.1 GiB peak, 58 s``."""
     memory = "" if run["mem_reserved_peak_gib"] is None else f", {run['mem_reserved_peak_gib']:.1f} GiB peak"
-    return (f"[{run['order']}/{total}] {run['side']} run {run['run']}: {run['logged_steps']} steps, "
+    return (f"[{run['order']}/{total}] {run['side']} run {run['run']}: {run['logged_steps']} logged steps, "
             f"{run['tps']:,.0f} tok/s/device (median of {step_range(run['first_step'], run['last_step'])})"
             f"{memory}, {run['wall_s']:.0f} s")
 
