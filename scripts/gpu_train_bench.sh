@@ -13,7 +13,8 @@
 #   qwen3, deepseek   the qwen3 30B-A3B-4L / DeepSeek-V3-16B-4L pair, eager
 #   qwen3_compile     the qwen3 pair with --compile.enable
 #   qwen3_sac         the qwen3 pair with activation_checkpoint.mode = "selective"
-#   profile           one UniEP qwen3 run with TorchTitan's profiler at step 10: GPU time by kernel
+#   profile           the qwen3 pair, one run a side with TorchTitan's profiler at step 10: GPU time by kernel,
+#                     and where the GPU waits for the host
 #   long              the qwen3 pair for $LONG_STEPS steps (deterministic on, every step logged): UniEP fused
 #                     against the baseline (relative loss difference), fused against sequential (bitwise), and
 #                     the baseline against its own run with deterministic off (the spread to read that against)
@@ -66,12 +67,14 @@ for step in ${STEPS:-qwen3 deepseek}; do
     qwen3_compile) bench qwen3_compile "${QWEN[@]}" --compile ;;
     qwen3_sac) bench qwen3_sac "${QWEN[@]}" --ac-mode selective ;;
     profile)
-        dump=$OUT/profile
-        NGPU=$NGPU CONFIG_FILE=train_configs/qwen3_30b_a3b_4l_uniep.toml ./run_train.sh --training.steps 12 \
-            --debug.no-deterministic --profiling.enable_profiling --profiling.profile_freq 10 \
-            --job.dump_folder "$dump" "${OVERRIDES[@]}" > "$dump.log" 2>&1 || { status=1; tail -30 "$dump.log"; }
-        python3 scripts/profile_summary.py "$dump"/profile_traces/iteration_10/rank0_trace.json \
-            | tee "$OUT/profile_summary.txt" ;;
+        for side in baseline uniep; do
+            dump=$OUT/profile_$side
+            NGPU=$NGPU CONFIG_FILE=train_configs/qwen3_30b_a3b_4l_$side.toml ./run_train.sh --training.steps 12 \
+                --debug.no-deterministic --profiling.enable_profiling --profiling.profile_freq 10 \
+                --job.dump_folder "$dump" "${OVERRIDES[@]}" > "$dump.log" 2>&1 || { status=1; tail -30 "$dump.log"; }
+            python3 scripts/profile_summary.py "$dump"/profile_traces/iteration_10/rank0_trace.json \
+                | tee "$OUT/profile_summary_$side.txt"
+        done ;;
     long)
         mkdir -p "$OUT/long"
         train train_configs/qwen3_30b_a3b_4l_baseline.toml "$OUT/long/baseline"
