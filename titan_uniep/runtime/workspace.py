@@ -459,11 +459,8 @@ class Workspace:
         to land and raise a failure any of them shows: the kernels queued
         before the last copy are then checked. Waits only for those copies,
         not for work queued after them."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
         self._error_copies.wait()
-        for control, aborts in self._error_copies.landed():
-            self._raise_from(control, aborts)
+        self.poll_errors()
 
     def schedule_error_poll(self) -> None:
         """Queue a copy of the error words (control and abort words) to pinned host
