@@ -13,8 +13,8 @@
 #   qwen3, deepseek   the qwen3 30B-A3B-4L / DeepSeek-V3-16B-4L pair, eager
 #   qwen3_compile     the qwen3 pair with --compile.enable
 #   qwen3_sac         the qwen3 pair with activation_checkpoint.mode = "selective"
-#   profile           the qwen3 pair, one run a side with TorchTitan's profiler at step 10: GPU time by kernel,
-#                     and where the GPU waits for the host
+#   profile           the qwen3 pair, one run a side with TorchTitan's profiler at step 13 (not a logged step at
+#                     log_freq 10): GPU time by kernel, where the GPU waits for the host, where the host's time goes
 #   long              the qwen3 pair for $LONG_STEPS steps (deterministic on, every step logged): UniEP fused
 #                     against the baseline (relative loss difference), fused against sequential (bitwise), and
 #                     the baseline against its own run with deterministic off (the spread to read that against)
@@ -54,6 +54,7 @@ bench() {  # bench NAME [bench_train options]
 train() {  # train CONFIG DUMP_FOLDER [overrides]: one run of $LONG_STEPS steps, deterministic on, every step logged
     local config=$1 dump=$2
     shift 2
+    mkdir -p "$(dirname "$dump")"
     echo "== $(basename "$config") -> $dump $*"
     NGPU=$NGPU CONFIG_FILE=$config ./run_train.sh --training.steps "$LONG_STEPS" --debug.deterministic --metrics.log_freq 1 \
         --job.dump_folder "$dump" "${OVERRIDES[@]}" "$@" > "$dump.log" 2>&1 || { status=1; tail -30 "$dump.log"; }
@@ -69,10 +70,10 @@ for step in ${STEPS:-qwen3 deepseek}; do
     profile)
         for side in baseline uniep; do
             dump=$OUT/profile_$side
-            NGPU=$NGPU CONFIG_FILE=train_configs/qwen3_30b_a3b_4l_$side.toml ./run_train.sh --training.steps 12 \
-                --debug.no-deterministic --profiling.enable_profiling --profiling.profile_freq 10 \
+            NGPU=$NGPU CONFIG_FILE=train_configs/qwen3_30b_a3b_4l_$side.toml ./run_train.sh --training.steps 14 \
+                --debug.no-deterministic --profiling.enable_profiling --profiling.profile_freq 13 \
                 --job.dump_folder "$dump" "${OVERRIDES[@]}" > "$dump.log" 2>&1 || { status=1; tail -30 "$dump.log"; }
-            python3 scripts/profile_summary.py "$dump"/profile_traces/iteration_10/rank0_trace.json \
+            python3 scripts/profile_summary.py "$dump"/profile_traces/iteration_13/rank0_trace.json \
                 | tee "$OUT/profile_summary_$side.txt"
         done ;;
     long)

@@ -26,6 +26,8 @@ differentiable ``Tensor.to`` calls).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from titan_uniep.config import COMPUTE_DTYPE_NAMES as COMPUTE_DTYPES
@@ -73,11 +75,16 @@ def layer_compute_dtype(resolved: torch.dtype | None, x: torch.Tensor) -> torch.
     return x.dtype
 
 
-def cast_to_compute(dtype: torch.dtype, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def cast_to_compute(dtype: torch.dtype, x: torch.Tensor, *weights: torch.Tensor,
+                    weight_cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, ...]:
     """``x`` and the expert weights in ``dtype`` (no copy where they already are).
 
     A weight cast is a copy of every expert weight per call, as TorchTitan's
     grouped-GEMM experts make one; under FSDP mixed precision the weights
-    arrive in bf16 and nothing is copied.
+    arrive in bf16 and nothing is copied. ``weight_cast``: casts the weights
+    instead of ``Tensor.to`` (the kernel schedules' ``titan_uniep.op.to_compute``,
+    the same values and gradients, its backward faster).
     """
-    return tuple(t if t.dtype == dtype else t.to(dtype) for t in (x, *weights))
+    cast = weight_cast or (lambda w, d: w.to(d))
+    return (x if x.dtype == dtype else x.to(dtype), *(w if w.dtype == dtype else cast(w, dtype) for w in weights))

@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import triton
 import triton.language as tl
 from torch.distributed.distributed_c10d import _resolve_process_group
 from triton.runtime.interpreter import InterpretedFunction
 
+from titan_uniep.kernels.widen import widen_kernel
 from titan_uniep.layout import slot_capacity
 from titan_uniep.params import interpreter_params
 from titan_uniep.runtime import (
@@ -66,7 +68,8 @@ from titan_uniep.runtime import (
 )
 from titan_uniep.tuning.selection import select_params
 
-__all__ = ["end_step", "moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens", "workspace_for"]
+__all__ = ["end_step", "moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens", "to_compute",
+           "widen", "workspace_for"]
 
 _workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
@@ -315,3 +318,49 @@ def _backward(ctx, grad_out: torch.Tensor | None, _grad_h13: torch.Tensor | None
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+_WIDEN_BLOCK = 8192
+
+
+@torch.library.custom_op("uniep::widen", mutates_args=())
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, exact: a 16-bit CUDA tensor through ``kernels.widen``
+    (vectorized), anything else through ``Tensor.to``."""
+    if t.dtype == torch.float32:
+        return t.clone()
+    if t.device.type != "cuda" or t.dtype.itemsize != 2:
+        return t.to(torch.float32)
+    t = t.contiguous()
+    out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    if t.numel():
+        widen_kernel[(triton.cdiv(t.numel(), _WIDEN_BLOCK),)](t, out, t.numel(), BLOCK=_WIDEN_BLOCK, num_warps=8)
+    return out
+
+
+@widen.register_fake
+def _widen_fake(t):
+    return t.new_empty(t.shape, dtype=torch.float32)
+
+
+class _ToCompute(torch.autograd.Function):
+    """``w.to(dtype)``; the gradient back in w's dtype, widened by ``uniep::widen``
+    where w is fp32 and the gradient 16-bit (the same bits as ``Tensor.to``'s backward)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.weight_dtype = w.dtype
+        return w.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.weight_dtype == torch.float32 and grad.dtype.itemsize == 2:
+            return torch.ops.uniep.widen(grad), None
+        return grad.to(ctx.weight_dtype), None
+
+
+def to_compute(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An expert weight in the GEMMs' dtype, as ``w.to(dtype)`` (no copy where it
+    already is), whose gradient comes back to fp32 master weights through
+    ``uniep::widen``: once per weight and step, at the copy's full bandwidth."""
+    return w if w.dtype == dtype else _ToCompute.apply(w, dtype)

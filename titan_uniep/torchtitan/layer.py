@@ -167,6 +167,17 @@ class BitwiseGuard:
 _NON_OVERLAPPED = {"fused": "sequential", "sequential": "sequential", "reference": "reference"}
 
 
+def _weight_cast(schedule: str):
+    """The kernel schedules cast the expert weights with ``titan_uniep.op.to_compute``
+    (its gradient widened by a kernel); the reference schedule, which loads no
+    Triton, with ``Tensor.to``."""
+    if schedule not in ("fused", "sequential"):
+        return None
+    from titan_uniep.op import to_compute
+
+    return to_compute
+
+
 class UniEPExperts:
     """What an edge's experts module adds to run a UniEP schedule: its settings and ``run_uniep``.
 
@@ -221,7 +232,8 @@ class UniEPExperts:
             # The framework's combine precision: scores and the sum over k rounded to it.
             routing = Routing(routing.top_scores.to(combine_dtype), routing.selected_experts_indices)
             out_dtype = combine_dtype
-        x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, w1, w2, w3)
+        x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, w1, w2, w3,
+                                        weight_cast=_weight_cast(self.schedule))
         run = get_schedule(self.schedule)
         out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts,
                   out_dtype=out_dtype)

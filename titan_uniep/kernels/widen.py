@@ -1,0 +1,23 @@
+"""widen: a 16-bit tensor's values in fp32 (exact), at the copy's full bandwidth.
+
+The gradient of an fp32 master weight that the expert GEMMs used in bf16
+arrives in bf16 and is widened to fp32 once per weight and step (autograd's
+``Tensor.to`` backward in TorchTitan's experts; ``titan_uniep.op.to_compute``
+in UniEP's). torch's copy runs a bf16 -> fp32 cast element by element
+(``direct_copy_kernel_cuda``'s unrolled loop, about half the bandwidth of
+its vectorized fp32 -> bf16 cast on an H200); this kernel reads and writes
+whole vectors. Widening is exact, so the bits are the cast's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def widen_kernel(src, dst, numel, BLOCK: tl.constexpr):
+    """``dst[i] = float32(src[i])`` for the ``BLOCK`` elements of this program."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    tl.store(dst + offs, tl.load(src + offs, mask=mask).to(tl.float32), mask=mask)
