@@ -24,7 +24,7 @@ def sixteen_bit(dtype, numel, seed, *, subnormals=True, device="cpu"):
     the largest values and (``subnormals``) subnormal ones."""
     gen = torch.Generator().manual_seed(seed)
     t = (torch.randn(numel, generator=gen) * torch.logspace(-6, 6, numel)).to(dtype)
-    specials = SPECIALS + (SUBNORMAL[dtype] if subnormals else [])
+    specials = (SPECIALS + (SUBNORMAL[dtype] if subnormals else []))[:numel]
     t[: len(specials)] = torch.tensor(specials).to(dtype)
     return t.to(device)
 

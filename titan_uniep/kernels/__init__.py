@@ -8,7 +8,8 @@ live in ``titan_uniep.runtime``):
 - ``dispatch_fc1`` and ``fc2_combine``: the forward megakernels;
 - ``dispatch_dh`` (with the SwiGLU backward pass) and ``da_combine``: the
   backward megakernels;
-- ``wgrad``: the weight gradients.
+- ``wgrad``: the weight gradients;
+- ``widen``: 16-bit -> fp32 (the weight gradients back to fp32 master weights).
 
 Without CUDA, Triton can run these kernels only through its interpreter, and
 ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, so it is
