@@ -362,5 +362,5 @@ class _ToCompute(torch.autograd.Function):
 def to_compute(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An expert weight in the GEMMs' dtype, as ``w.to(dtype)`` (no copy where it
     already is), whose gradient comes back to fp32 master weights through
-    ``uniep::widen``: once per weight and step, at the copy's full bandwidth."""
+    ``uniep::widen``: once per weight and step, faster than torch's copy."""
     return w if w.dtype == dtype else _ToCompute.apply(w, dtype)
