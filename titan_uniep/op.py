@@ -44,6 +44,10 @@ before step N + 1's first MoE layer, without a sync of its own: by then
 TorchTitan's copy of step N + 1's batch to the device has waited for step
 N's kernels. Where no call of the op ran on the host during the step
 (CUDA-graph replay), ``end_step`` checks at once, with a sync.
+
+Weight casts: ``to_compute`` casts an expert weight to the GEMMs' dtype as
+``Tensor.to`` does, and widens its 16-bit gradient back to fp32 through
+``torch.ops.uniep.widen`` (``kernels.widen``, vectorized; the same bits).
 """
 
 from __future__ import annotations
