@@ -159,6 +159,63 @@ def test_op_under_edge_routing_with_a_poisoned_workspace(group, poisoned_memory,
         assert all(torch.equal(g[2], torch.zeros_like(g[2])) for g in got[3:]), "expert 2 has a nonzero gradient"
 
 
+def run_op_16_bit(w, group, schedule, score_before, *, masters: bool):
+    """The op on fp16 tokens and fp16 casts of fp32 weights (fp16: the
+    interpreter's 16-bit dtype). ``masters``: the fp32 weights passed as the
+    casts' masters receive the weight gradients; otherwise the casts do."""
+    for ws in op._workspaces.values():
+        ws.poison()
+    x, scores = w["x"].half().requires_grad_(), w["scores"].clone().requires_grad_()
+    fp32 = [w[k].clone().requires_grad_() for k in ("w1", "w2", "w3")]
+    casts = [m.detach().half().requires_grad_(not masters) for m in fp32]
+    out, _ = torch.ops.uniep.moe_experts(x, scores, w["indices"], *casts, group.group_name, schedule, score_before,
+                                         None, *(fp32 if masters else (None, None, None)))
+    out.backward(w["grad"].half())
+    owners = fp32 if masters else casts
+    assert all(m.grad is None for m in (casts if masters else fp32)), "a gradient reached the wrong weights"
+    return [out.detach(), x.grad, scores.grad, *(t.grad for t in owners)]
+
+
+@pytest.mark.parametrize("score_before", [False, True], ids=["score_after", "score_before"])
+def test_master_weights_get_the_gemms_fp32_sums_as_gradients(group, poisoned_memory, score_before):
+    """fp32 master weights next to their 16-bit casts: every schedule gives the
+    same bits; the output, dx and dscores are those of the op on the casts
+    alone; each weight gradient is fp32, is the 16-bit gradient before its
+    rounding (rounded, the same bits), and is not rounded to 16 bits."""
+    w = make_layer(13, 4, 2, seed=51 + score_before, allowed=[0, 1, 3])  # odd T, expert 2 without tokens
+    got = {schedule: run_op_16_bit(w, group, schedule, score_before, masters=True)
+           for schedule in ("sequential", "fused")}
+    for name, seq, fus in zip(NAMES, got["sequential"], got["fused"]):
+        assert not torch.isnan(seq).any(), f"{name}: NaN (an element the kernels never wrote)"
+        assert torch.equal(seq, fus), f"{name}: fused differs from sequential"
+    plain = run_op_16_bit(w, group, "fused", score_before, masters=False)
+    for name, mine, ref in zip(NAMES[:3], got["fused"][:3], plain[:3]):
+        assert mine.dtype == ref.dtype and torch.equal(mine, ref), f"{name} differs from the op without masters"
+    exact = run_float64({**w, "x": w["x"].half().double(), **{k: w[k].half().double() for k in ("w1", "w2", "w3")},
+                         "grad": w["grad"].half().double()}, score_before)
+    for name, mine, ref, ex in zip(NAMES[3:], got["fused"][3:], plain[3:], exact[3:]):
+        assert mine.dtype == torch.float32 and ref.dtype == torch.float16, name
+        assert torch.equal(mine.half(), ref), f"{name}: the fp32 gradient rounded is not the 16-bit one"
+        assert torch.equal(mine[2], torch.zeros_like(mine[2])), f"{name}: expert 2 has no tokens"
+        used = mine[[0, 1, 3]]
+        assert (used != used.half().float()).float().mean() > 0.5, f"{name}: rounded to 16 bits"
+        err = ((mine.double() - ex).abs().max() / ex.abs().max()).item()
+        assert err < 1e-2, f"{name}: {err:.1e} from float64 (16-bit intermediates)"
+
+
+def test_master_weights_all_three_in_fp32_and_in_their_casts_shape(group, poisoned_memory):
+    w = make_layer(5, 4, 2, seed=53)
+    args = (w["x"].half(), w["scores"], w["indices"], *(w[k].half() for k in ("w1", "w2", "w3")), group.group_name,
+            "fused", False, None)
+    with pytest.raises(ValueError, match="all of w1, w2, w3 or for none"):
+        torch.ops.uniep.moe_experts(*args, w["w1"], None, None)
+    with pytest.raises(ValueError, match="master_w2 must be the fp32 weight"):
+        torch.ops.uniep.moe_experts(*args, w["w1"], w["w2"].double(), w["w3"])
+    with pytest.raises(ValueError, match="master_w3 must be the fp32 weight"):
+        torch.ops.uniep.moe_experts(*args, w["w1"], w["w2"], w["w3"][:2])
+    assert not op._workspaces
+
+
 def test_fake_implementations_give_the_real_shapes_without_touching_a_workspace(group, poisoned_memory):
     w = make_layer(7, 4, 2, seed=21)
     args = (w["x"], w["scores"], w["indices"], w["w1"], w["w2"], w["w3"])
@@ -170,6 +227,27 @@ def test_fake_implementations_give_the_real_shapes_without_touching_a_workspace(
     assert not op._workspaces, "a fake implementation built a workspace"
     out = torch.ops.uniep.moe_experts(*args, group.group_name, "fused", False)
     grads = torch.ops.uniep.moe_experts_backward(w["grad"], *args, out[1], group.group_name, "fused", False)
+    for name, f, r in zip(("out", "h13", "dx", "dscores", "dw1", "dw2", "dw3"), (*fake_out, *fake_grads),
+                          (*out, *grads)):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype), f"{name}: fake {f.shape} " \
+            f"{f.stride()} {f.dtype}, real {r.shape} {r.stride()} {r.dtype}"
+
+
+def test_fake_implementations_of_16_bit_casts_with_fp32_masters(group, poisoned_memory):
+    w = make_layer(7, 4, 2, seed=22)
+    masters = tuple(w[k] for k in ("w1", "w2", "w3"))
+    args = (w["x"].half(), w["scores"], w["indices"], *(m.half() for m in masters))
+    grad = w["grad"].half()
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (*args, grad, *masters)]
+        fake_out = torch.ops.uniep.moe_experts(*fake[:6], group.group_name, "fused", False, None, *fake[7:])
+        fake_grads = torch.ops.uniep.moe_experts_backward(fake[6], *fake[:6], fake_out[1], group.group_name,
+                                                          "fused", False, torch.float32)
+    assert not op._workspaces, "a fake implementation built a workspace"
+    out = torch.ops.uniep.moe_experts(*args, group.group_name, "fused", False, None, *masters)
+    grads = torch.ops.uniep.moe_experts_backward(grad, *args, out[1], group.group_name, "fused", False,
+                                                 torch.float32)
+    assert [g.dtype for g in grads] == [torch.float16, torch.float32] + [torch.float32] * 3
     for name, f, r in zip(("out", "h13", "dx", "dscores", "dw1", "dw2", "dw3"), (*fake_out, *fake_grads),
                           (*out, *grads)):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype), f"{name}: fake {f.shape} " \
@@ -223,6 +301,55 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
     assert eager.keys() == compiled.keys()
     for name in eager:
         assert not torch.isnan(eager[name]).any(), name
+        assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
+
+
+@torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap
+def test_fp32_parameters_under_autocast_get_fp32_gradients_from_the_kernels_eager_and_compiled(group,
+                                                                                             poisoned_memory):
+    """TorchTitan's NGPU = 1 case on the interpreter: fp32 parameters, autocast
+    to a 16-bit dtype (fp16 here: the interpreter's bf16 dot products are
+    wrong), for-loop experts, which compute in autocast's dtype. The layer
+    passes fp16 casts and the fp32 weights as their masters: the experts'
+    gradients are fp32 and not rounded to 16 bits; compiled (AOT autograd
+    through the ops' fakes) gives the eager bits."""
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from titan_uniep.config import UniEP
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
+
+    apply_cpu_shims()
+    torch.manual_seed(47)
+    args = MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
+                   score_before_experts=False, use_grouped_mm=False)
+    base = MoE(args, dim=DIM, hidden_dim=HIDDEN)
+    with torch.no_grad():
+        base.init_weights(init_std=0.1, buffer_device=torch.device("cpu"))
+    x = torch.randn(1, 11, DIM)
+    grad = torch.randn(1, 11, DIM)
+    seen = []
+
+    def run(compiled: bool):
+        moe = copy.deepcopy(base)
+        _swap_to_uniep(torch.nn.ModuleDict({"moe": moe}), UniEP(enable=True, schedule="fused"))
+        moe.experts.ep_group = group
+        model = torch.compile(moe, backend="aot_eager", fullgraph=True) if compiled else moe
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(xx)
+        out.float().backward(grad)
+        seen.append({key[-2] for key in op._workspaces})
+        return {"out": out.detach(), "x.grad": xx.grad, **{f"{n}.grad": p.grad for n, p in moe.named_parameters()}}
+
+    eager, compiled = run(False), run(True)
+    assert seen == [{torch.float16}] * 2, f"the kernels ran in {seen}"
+    for name in ("w1", "w2", "w3"):
+        g = eager[f"experts.{name}.grad"]
+        assert g.dtype == torch.float32 and (g != g.half().float()).float().mean() > 0.5, f"{name}: rounded"
+    assert eager.keys() == compiled.keys()
+    for name in eager:
+        assert eager[name] is not None and not torch.isnan(eager[name]).any(), name
         assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
 
 

@@ -1,7 +1,9 @@
-"""The weights' gradient path back to fp32 master weights: ``uniep::widen``
-(``kernels.widen`` on a GPU) gives the bits of ``Tensor.to(torch.float32)``,
-and ``op.to_compute`` is ``Tensor.to`` with that backward. The kernel runs in
-Triton's interpreter here and on a GPU in ``tests/gpu/test_gpu_widen.py``."""
+"""Widening 16-bit weight gradients to fp32 (an explicit ``wgrad_backend =
+"grouped_mm"`` with fp32 master weights): ``kernels.widen`` gives the bits of
+``Tensor.to(torch.float32)``. The kernel runs in Triton's interpreter here and
+on a GPU (``runtime.launch.widen_to_float32``) in ``tests/gpu/test_gpu_widen.py``.
+Also ``compute_dtype.master_weights``: which weights the kernels' backward
+gives fp32 gradients itself."""
 
 from __future__ import annotations
 
@@ -11,9 +13,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from titan_uniep.compute_dtype import cast_to_compute
+from titan_uniep.compute_dtype import cast_to_compute, master_weights
 from titan_uniep.kernels.widen import widen_kernel
-from titan_uniep.op import to_compute
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0, 3.0e38]
 SUBNORMAL = {torch.bfloat16: [9.2e-41, -3.0e-39], torch.float16: [6e-8, -3e-5]}
@@ -42,28 +43,31 @@ def test_widen_kernel_gives_the_casts_bits(dtype):
     assert dst[numel:].isnan().all()
 
 
-def test_to_compute_is_tensor_to_with_the_same_gradient():
+def test_fp32_weights_cast_to_16_bits_are_their_casts_masters():
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(3, 8, 4, generator=gen, requires_grad=True)
-    upstream = torch.randn(3, 8, 4, generator=gen)
-    mine = to_compute(w, torch.bfloat16)
-    assert mine.dtype == torch.bfloat16 and torch.equal(mine, w.detach().to(torch.bfloat16))
-    (mine.float() * upstream).sum().backward()
-    ours, w.grad = w.grad, None
-    (w.to(torch.bfloat16).float() * upstream).sum().backward()
-    assert ours.dtype == torch.float32 and torch.equal(ours, w.grad)
-    bf16 = w.detach().bfloat16()
-    assert to_compute(bf16, torch.bfloat16) is bf16  # no cast where the weight already is
+    weights = [torch.randn(3, 8, 4, generator=gen, requires_grad=True) for _ in range(3)]
+    for dtype in (torch.bfloat16, torch.float16):
+        casts, masters = master_weights(dtype, *weights)
+        assert masters is not None and all(m is w for m, w in zip(masters, weights))
+        for c, w in zip(casts, weights):
+            # Detached: autograd does not differentiate the cast, the op gives the master its gradient.
+            assert c.dtype == dtype and not c.requires_grad and torch.equal(c, w.detach().to(dtype))
 
 
-def test_cast_to_compute_uses_the_weight_cast_for_weights_only():
-    seen = []
+def test_no_masters_where_no_fp32_weight_is_cast_to_16_bits():
+    gen = torch.Generator().manual_seed(6)
+    fp32 = [torch.randn(2, 4, 4, generator=gen, requires_grad=True) for _ in range(3)]
+    bf16 = [w.detach().bfloat16().requires_grad_() for w in fp32]
+    casts, masters = master_weights(torch.float32, *fp32)  # fp32 compute: the weights themselves
+    assert masters is None and all(c is w for c, w in zip(casts, fp32))
+    casts, masters = master_weights(torch.bfloat16, *bf16)  # FSDP's bf16 weights: no copy
+    assert masters is None and all(c is w for c, w in zip(casts, bf16))
+    casts, masters = master_weights(torch.float32, *bf16)  # explicit fp32 compute of bf16 weights: autograd's cast
+    assert masters is None and all(c.dtype == torch.float32 and c.requires_grad for c in casts)
 
-    def cast(w, dtype):
-        seen.append(w.shape)
-        return w.to(dtype)
 
+def test_cast_to_compute_copies_only_what_is_not_in_the_dtype():
     x, w1, w2 = torch.randn(5, 4), torch.randn(2, 3, 4), torch.randn(2, 4, 3).bfloat16()
-    out = cast_to_compute(torch.bfloat16, x, w1, w2, weight_cast=cast)
+    out = cast_to_compute(torch.bfloat16, x, w1, w2)
     assert [t.dtype for t in out] == [torch.bfloat16] * 3
-    assert seen == [w1.shape]  # x goes through Tensor.to, the bf16 weight is not cast
+    assert out[2] is w2 and torch.equal(out[1], w1.bfloat16())

@@ -19,20 +19,22 @@ the training's numerics.
   dot products, no tensor-core rounding).
 
 In every case the kernels take bf16 (or fp32) operands and accumulate in fp32;
-the layer returns its output in the tokens' dtype, and autograd delivers every
-gradient in the dtype of the tensor it belongs to (the casts are ordinary
-differentiable ``Tensor.to`` calls).
+the layer returns its output in the tokens' dtype, and every gradient comes
+in the dtype of the tensor it belongs to: x's cast is an ordinary
+differentiable ``Tensor.to``; fp32 expert weights cast to 16 bits for UniEP's
+kernels are their ``master_weights``, whose gradients the kernels write in
+fp32 straight from the GEMM's sums (TorchTitan's experts round theirs to
+bf16 and widen them back).
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
 from titan_uniep.config import COMPUTE_DTYPE_NAMES as COMPUTE_DTYPES
 
-__all__ = ["COMPUTE_DTYPES", "cast_to_compute", "job_compute_dtype", "layer_compute_dtype", "resolve"]
+__all__ = ["COMPUTE_DTYPES", "cast_to_compute", "job_compute_dtype", "layer_compute_dtype", "master_weights",
+           "resolve"]
 
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -75,16 +77,26 @@ def layer_compute_dtype(resolved: torch.dtype | None, x: torch.Tensor) -> torch.
     return x.dtype
 
 
-def cast_to_compute(dtype: torch.dtype, x: torch.Tensor, *weights: torch.Tensor,
-                    weight_cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
-                    ) -> tuple[torch.Tensor, ...]:
+def cast_to_compute(dtype: torch.dtype, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``x`` and the expert weights in ``dtype`` (no copy where they already are).
 
     A weight cast is a copy of every expert weight per call, as TorchTitan's
     grouped-GEMM experts make one; under FSDP mixed precision the weights
-    arrive in bf16 and nothing is copied. ``weight_cast``: casts the weights
-    instead of ``Tensor.to`` (the kernel schedules' ``titan_uniep.op.to_compute``,
-    the same values and gradients, its backward faster).
+    arrive in bf16 and nothing is copied.
     """
-    cast = weight_cast or (lambda w, d: w.to(d))
-    return (x if x.dtype == dtype else x.to(dtype), *(w if w.dtype == dtype else cast(w, dtype) for w in weights))
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in (x, *weights))
+
+
+def master_weights(dtype: torch.dtype, *weights: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
+    """The expert weights in ``dtype`` for UniEP's kernels, and the master
+    weights their gradients go to.
+
+    Where every weight is fp32 and ``dtype`` a 16-bit one: detached casts
+    (autograd does not differentiate the cast) and the fp32 weights as masters,
+    whose fp32 gradients the kernels' backward writes itself. Otherwise
+    (``dtype`` the weights' own, or bf16 weights under FSDP mixed precision):
+    ``cast_to_compute``'s weights and no masters.
+    """
+    if dtype.itemsize == 2 and all(w.dtype == torch.float32 for w in weights):
+        return tuple(w.detach().to(dtype) for w in weights), weights
+    return cast_to_compute(dtype, *weights), None

@@ -45,21 +45,23 @@ TorchTitan's copy of step N + 1's batch to the device has waited for step
 N's kernels. Where no call of the op ran on the host during the step
 (CUDA-graph replay), ``end_step`` checks at once, with a sync.
 
-Weight casts: ``to_compute`` casts an expert weight to the GEMMs' dtype as
-``Tensor.to`` does, and widens its 16-bit gradient back to fp32 through
-``torch.ops.uniep.widen`` (``kernels.widen``, vectorized; the same bits).
+Master weights: where the layer casts fp32 expert weights to bf16 for the
+GEMMs, it passes the casts as w1, w2, w3 (detached) and the fp32 weights as
+``master_w1``, ``master_w2``, ``master_w3``. The backward then gives the
+masters their gradients in fp32 straight from the weight-gradient GEMM's
+fp32 sums (``runtime.backward``'s ``weight_grad_dtype``), and the casts
+none: no bf16 gradient is written and widened per weight and step, and none
+is rounded to bf16.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import triton
 import triton.language as tl
 from torch.distributed.distributed_c10d import _resolve_process_group
 from triton.runtime.interpreter import InterpretedFunction
 
-from titan_uniep.kernels.widen import widen_kernel
 from titan_uniep.layout import slot_capacity
 from titan_uniep.params import interpreter_params
 from titan_uniep.runtime import (
@@ -72,8 +74,8 @@ from titan_uniep.runtime import (
 )
 from titan_uniep.tuning.selection import select_params
 
-__all__ = ["end_step", "moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens", "to_compute",
-           "widen", "workspace_for"]
+__all__ = ["end_step", "moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens",
+           "workspace_for"]
 
 _workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
@@ -214,11 +216,16 @@ def moe_experts(
     schedule: str,
     score_before_experts: bool,
     out_dtype: torch.dtype | None = None,
+    master_w1: torch.Tensor | None = None,
+    master_w2: torch.Tensor | None = None,
+    master_w3: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed-expert output ``(T, D)`` of this rank's tokens (see titan_uniep.runtime.forward)
     in ``out_dtype`` (default x's: the GEMMs run in x's dtype, the sum over k in fp32 is
     rounded once to the output's) and the receive slots' h1 | h3 ``(slot_capacity, 2H)``
-    (for the backward only)."""
+    (for the backward only). ``master_w*``: the fp32 weights w1, w2, w3 are casts
+    of, which receive the weight gradients (see the module docstring); all three or none."""
+    _check_master_weights(w1, w2, w3, master_w1, master_w2, master_w3)
     _check_step_copies()
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts)
     h13 = x.new_empty(ws.shape.slot_capacity, 2 * w1.shape[1])
@@ -239,6 +246,18 @@ def moe_experts(
     return out, h13
 
 
+def _check_master_weights(w1, w2, w3, *masters) -> None:
+    given = [m is not None for m in masters]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError("uniep::moe_experts takes master weights for all of w1, w2, w3 or for none")
+    for name, w, m in zip(("w1", "w2", "w3"), (w1, w2, w3), masters):
+        if m.dtype != torch.float32 or m.shape != w.shape:
+            raise ValueError(f"uniep::moe_experts: master_{name} must be the fp32 weight {name} is a cast of "
+                             f"(shape {tuple(w.shape)}), got {m.dtype} {tuple(m.shape)}")
+
+
 def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, score_before_experts: bool) -> int:
     """Rows of the op's h1 | h3 output: the forward workspace's slot capacity
     (the same formula before the workspace exists, from what it will be built with)."""
@@ -250,7 +269,7 @@ def _saved_rows(group_name: str, x: torch.Tensor, w1: torch.Tensor, top_k: int, 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x, top_scores, selected_experts_indices, w1, w2, w3, group_name, schedule, score_before_experts,
-                      out_dtype=None):
+                      out_dtype=None, master_w1=None, master_w2=None, master_w3=None):
     rows = _saved_rows(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts)
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(rows, 2 * w1.shape[1])
 
@@ -268,10 +287,12 @@ def moe_experts_backward(
     group_name: str,
     schedule: str,
     score_before_experts: bool,
+    weight_grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dx, dscores fp32, dw1, dw2, dw3)`` of ``moe_experts`` given the
     output gradient and the forward's h1 | h3 (see titan_uniep.runtime.backward);
-    every one contiguous, in the shape of its input."""
+    every one contiguous, in the shape of its input; the weights' in
+    ``weight_grad_dtype`` (default theirs; fp32: the GEMM's sums as they are)."""
     _check_step_copies()
     ws = workspace_for(group_name, x, w1, selected_experts_indices.shape[1], score_before_experts=score_before_experts,
                        backward=True)
@@ -281,25 +302,29 @@ def moe_experts_backward(
             grad_out.contiguous().unsqueeze(0), x.contiguous().unsqueeze(0), top_scores.unsqueeze(0),
             selected_experts_indices.unsqueeze(0), *(w.unsqueeze(0) for w in weights), schedule=schedule,
             score_before_experts=score_before_experts, workspace=ws, saved_h13=saved_h13.unsqueeze(0),
+            weight_grad_dtype=weight_grad_dtype,
         )
     else:
         grads = moe_backward(
             grad_out.contiguous(), x, top_scores, selected_experts_indices, *weights, workspace=ws,
             schedule=schedule, score_before_experts=score_before_experts, saved_h13=saved_h13,
+            weight_grad_dtype=weight_grad_dtype,
         )
     return tuple(grads)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(grad_out, x, top_scores, selected_experts_indices, w1, w2, w3, saved_h13, group_name,
-                               schedule, score_before_experts):
+                               schedule, score_before_experts, weight_grad_dtype=None):
+    dtype = weight_grad_dtype or w1.dtype
     return (x.new_empty(x.shape), top_scores.new_empty(top_scores.shape, dtype=torch.float32),
-            w1.new_empty(w1.shape), w2.new_empty(w2.shape), w3.new_empty(w3.shape))
+            w1.new_empty(w1.shape, dtype=dtype), w2.new_empty(w2.shape, dtype=dtype), w3.new_empty(w3.shape, dtype=dtype))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before, _out_dtype = inputs
+    x, top_scores, indices, w1, w2, w3, group_name, schedule, score_before, _out_dtype, master_w1, _, _ = inputs
     ctx.save_for_backward(x, top_scores, indices, w1, w2, w3, output[1])
+    ctx.masters = master_w1 is not None
     ctx.mark_non_differentiable(output[1])
     # No zero-filled gradient of the (large) h1 | h3 output in the backward.
     ctx.set_materialize_grads(False)
@@ -317,54 +342,10 @@ def _backward(ctx, grad_out: torch.Tensor | None, _grad_h13: torch.Tensor | None
     grad_out = grad_out.to(x.dtype)
     dx, dscores, dw1, dw2, dw3 = torch.ops.uniep.moe_experts_backward(
         grad_out, x, top_scores, indices, w1, w2, w3, h13, ctx.group_name, ctx.schedule, ctx.score_before,
+        torch.float32 if ctx.masters else None,
     )
-    return dx, dscores.to(top_scores.dtype), None, dw1, dw2, dw3, None, None, None, None
+    weight_grads = (None, None, None, dw1, dw2, dw3) if ctx.masters else (dw1, dw2, dw3, None, None, None)
+    return dx, dscores.to(top_scores.dtype), None, *weight_grads[:3], None, None, None, None, *weight_grads[3:]
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
-
-
-_WIDEN_BLOCK = 8192
-
-
-@torch.library.custom_op("uniep::widen", mutates_args=())
-def widen(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, exact: a 16-bit CUDA tensor through ``kernels.widen``
-    (vectorized), anything else through ``Tensor.to``."""
-    if t.dtype == torch.float32:
-        return t.clone()
-    if t.device.type != "cuda" or t.dtype.itemsize != 2:
-        return t.to(torch.float32)
-    t = t.contiguous()
-    out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
-    if t.numel():
-        widen_kernel[(triton.cdiv(t.numel(), _WIDEN_BLOCK),)](t, out, t.numel(), BLOCK=_WIDEN_BLOCK, num_warps=8)
-    return out
-
-
-@widen.register_fake
-def _widen_fake(t):
-    return t.new_empty(t.shape, dtype=torch.float32)
-
-
-class _ToCompute(torch.autograd.Function):
-    """``w.to(dtype)``; the gradient back in w's dtype, widened by ``uniep::widen``
-    where w is fp32 and the gradient 16-bit (the same bits as ``Tensor.to``'s backward)."""
-
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.weight_dtype = w.dtype
-        return w.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.weight_dtype == torch.float32 and grad.dtype.itemsize == 2:
-            return torch.ops.uniep.widen(grad), None
-        return grad.to(ctx.weight_dtype), None
-
-
-def to_compute(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An expert weight in the GEMMs' dtype, as ``w.to(dtype)`` (no copy where it
-    already is), whose gradient comes back to fp32 master weights through
-    ``uniep::widen``: once per weight and step, faster than torch's copy."""
-    return w if w.dtype == dtype else _ToCompute.apply(w, dtype)

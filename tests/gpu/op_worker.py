@@ -14,7 +14,12 @@ raises on failure; the worker prints ``OP WORKER OK`` at the end.
 4. ``torch.compile`` (inductor, one graph) of a TorchTitan MoE swapped to
    UniEP (router, shared expert, schedule "fused"): runs forward and
    backward, close to eager (inductor rounds the router's own ops
-   differently, so only closeness is claimed there).
+   differently, so only closeness is claimed there);
+5. fp32 master weights (TorchTitan's NGPU = 1 training: the layer casts
+   them to bf16 and passes them as the casts' masters): fp32 weight
+   gradients, fused == sequential bitwise, rounded to bf16 the bits of the
+   op on bf16 weights with the Triton weight-gradient kernel; no host sync;
+   compiled (inductor, one graph) == eager bitwise.
 """
 
 import copy
@@ -57,6 +62,23 @@ class OpLayer(torch.nn.Module):
     def forward(self, x, scores, indices):
         out, _h13 = torch.ops.uniep.moe_experts(x, scores, indices, self.w1, self.w2, self.w3, self.group_name,
                                                 self.schedule, False)
+        return out
+
+
+class MasterOpLayer(torch.nn.Module):
+    """fp32 expert weights; the forward casts them to bf16 (detached) and
+    passes them as the casts' masters, as ``UniEPExperts.run_uniep`` does."""
+
+    def __init__(self, w1, w2, w3, group_name, schedule):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (torch.nn.Parameter(w.float()) for w in (w1, w2, w3))
+        self.group_name, self.schedule = group_name, schedule
+
+    def forward(self, x, scores, indices):
+        masters = (self.w1, self.w2, self.w3)
+        casts = [m.detach().bfloat16() for m in masters]
+        out, _h13 = torch.ops.uniep.moe_experts(x, scores, indices, *casts, self.group_name, self.schedule, False,
+                                                None, *masters)
         return out
 
 
@@ -151,6 +173,38 @@ def main():
         torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2 * scale,
                                    msg=lambda m: f"compiled MoE tensor {i} vs eager: {m}")
     print("4. torch.compile (inductor, fullgraph) of a TorchTitan MoE on UniEP: close to eager", flush=True)
+
+    # 5. fp32 master weights.
+    masters = {s: MasterOpLayer(*w, group.group_name, s) for s in ("sequential", "fused")}
+    got = {s: run(masters[s], *data) for s in masters}
+    for name, a, b in zip(GRADS, got["sequential"], got["fused"]):
+        assert not torch.isnan(b).any(), f"masters {name}: NaN"
+        assert torch.equal(a, b), f"masters {name}: fused differs from sequential"
+    assert all(g.dtype == torch.float32 for g in got["fused"][3:])
+    backward_ws = [v.inner for k, v in op._workspaces.items() if k[1]]  # the backward workspaces
+    for ws in backward_ws:  # the bf16 op's weight gradients from the Triton kernel (default: torch._grouped_mm)
+        ws.params = ws.params.replace(wgrad_backend="triton")
+    plain = run(OpLayer(*w, group.group_name, "fused"), *data)
+    for ws in backward_ws:
+        ws.params = ws.params.replace(wgrad_backend="auto")
+    for name, a, b in zip(GRADS, got["fused"], plain):
+        ok = torch.equal(a.bfloat16(), b) if name.startswith("dw") else torch.equal(a, b)
+        assert ok, f"masters {name}: not the bf16 op's bits (rounded)"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(masters["fused"], *data)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    compiled = torch.compile(MasterOpLayer(*w, group.group_name, "fused"), fullgraph=True)
+    for seed in (3, 4):
+        batch = inputs(seed, dev)
+        eager, comp = run(masters["fused"], *batch), run(compiled, *batch)
+        for name, a, b in zip(GRADS, eager, comp):
+            assert torch.equal(a, b), f"compiled masters {name} differs from eager (inputs {seed})"
+    print("5. fp32 master weights: fp32 weight gradients, fused == sequential, the bf16 op's bits rounded, "
+          "no host sync, compiled == eager", flush=True)
 
     op._workspaces.clear()
     dist.destroy_process_group()

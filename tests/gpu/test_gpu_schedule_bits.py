@@ -12,6 +12,9 @@ adds in the order of its tile's layout (the interpreter cannot show that):
   a random schedule; the reference is the default point, sequential. Compared:
   every rank's forward output, the used h1 | h3 rows, dx, dscores, dw1, dw2,
   dw3 (the backward on the saved h1 | h3).
+- ``test_sampled_point_gives_the_default_points_fp32_weight_gradients``: the
+  same in bf16 with the weight gradients in fp32 (master weights), where the
+  weight-gradient kernel's tile fields reach the stored sums.
 - ``test_sampled_point_on_the_real_path_gives_the_default_points_bits``: the
   same on ``moe_forward`` / ``moe_backward`` of a one-rank group (the real
   path at world size 1: symmetric memory, the counts exchange).
@@ -71,8 +74,10 @@ def layer_shape(shape_name: str, world: int, dtype: torch.dtype, score_before: b
                       torch.empty((), dtype=dtype).element_size(), score_before)
 
 
-def run_simulated(w: dict, params, score_before: bool, schedule: str) -> dict[str, torch.Tensor]:
-    """Every output of one point of a simulated world: the forward into NaN-poisoned buffers, then the backward."""
+def run_simulated(w: dict, params, score_before: bool, schedule: str,
+                  weight_grad_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every output of one point of a simulated world: the forward into NaN-poisoned buffers, then the backward
+    (the weight gradients in ``weight_grad_dtype``: default the data's)."""
     world = len(w["xs"])
     rows = max(max(x.shape[0] for x in w["xs"]), 1)
     dim, hidden, el = w["xs"][0].shape[1], w["w1s"][0].shape[1], w["el"]
@@ -89,7 +94,7 @@ def run_simulated(w: dict, params, score_before: bool, schedule: str) -> dict[st
         result[f"h13.r{r}"] = h13[r, :used].clone()
     grads = simulated_moe_backward(w["grads"], w["xs"], w["scores"], w["indices"], w["w1s"], w["w2s"], w["w3s"],
                                    schedule=schedule, score_before_experts=score_before, params=params,
-                                   poison_outputs=True, saved_h13=h13)
+                                   poison_outputs=True, saved_h13=h13, weight_grad_dtype=weight_grad_dtype)
     for r in range(world):
         for name, g in zip(NAMES, grads[r]):
             result[f"{name}.r{r}"] = g.clone()
@@ -124,6 +129,28 @@ def test_sampled_point_gives_the_default_points_bits(shape_name, world, score_be
     got = run_simulated(w, point, score_before, schedule)
     differ = differing(ref, got)
     assert not differ, f"seed {seed}, {schedule}, {fields}: bits differ in {differ}"
+
+
+FP32_GRAD_CASES = list(itertools.product(SHAPES, (1, 2, 4)))
+
+
+@pytest.mark.parametrize("shape_name,world", FP32_GRAD_CASES, ids=[f"{s}-w{w}" for s, w in FP32_GRAD_CASES])
+def test_sampled_point_gives_the_default_points_fp32_weight_gradients(shape_name, world):
+    """bf16 data with fp32 master weights (TorchTitan's NGPU = 1 training): the
+    Triton weight-gradient kernel stores its fp32 sums unrounded, so its tile
+    fields (schedule fields the tuner may pick) must not change a bit there."""
+    shape = layer_shape(shape_name, world, torch.bfloat16, False)
+    base = default_params(world, hidden=shape.hidden)
+    seed = SEED + 2000 + FP32_GRAD_CASES.index((shape_name, world))
+    rng = random.Random(seed)
+    point = sample(rng, shape, base=base, hw=default_constants("NVIDIA H200"))
+    schedule = rng.choice(("sequential", "fused"))
+    w = world_inputs(shape_name, world, torch.bfloat16)
+    ref = run_simulated(w, base, False, "sequential", torch.float32)
+    got = run_simulated(w, point, False, schedule, torch.float32)
+    assert all(ref[f"dw{i}.r0"].dtype == torch.float32 for i in (1, 2, 3))
+    differ = differing(ref, got)
+    assert not differ, f"seed {seed}, {schedule}, {changed_fields(point, base)}: bits differ in {differ}"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
-"""``uniep::widen`` on ONE GPU: ``kernels.widen`` gives the bits of
-``Tensor.to(torch.float32)`` for bf16 and fp16, subnormals included, at
-sizes that end in a partial block; and the gradient of ``op.to_compute``
-equals ``Tensor.to``'s.
+"""``runtime.launch.widen_to_float32`` on ONE GPU: ``kernels.widen`` gives the
+bits of ``Tensor.to(torch.float32)`` for bf16 and fp16, subnormals included,
+at sizes that end in a partial block, and of strided tensors.
 
 Run on the GPU machine: ``python -m pytest tests/gpu/test_gpu_widen.py``.
 """
@@ -9,7 +8,7 @@ Run on the GPU machine: ``python -m pytest tests/gpu/test_gpu_widen.py``.
 import pytest
 import torch
 
-from titan_uniep.op import to_compute
+from titan_uniep.runtime.launch import widen_to_float32
 
 from test_widen import sixteen_bit
 
@@ -23,21 +22,11 @@ if not torch.cuda.is_available():
 def test_widen_gives_the_casts_bits(dtype, numel):
     src = sixteen_bit(dtype, numel, seed=numel, device="cuda")
     ref = src.to(torch.float32)
-    out = torch.ops.uniep.widen(src.view(-1, 1) if numel % 2 else src)
+    out = widen_to_float32(src.view(-1, 1) if numel % 2 else src)
     assert out.dtype == torch.float32 and out.shape == (src.view(-1, 1) if numel % 2 else src).shape
     assert torch.equal(out.view(-1).view(torch.int32), ref.view(torch.int32))
 
 
 def test_widen_of_a_strided_tensor():
     src = sixteen_bit(torch.bfloat16, 4096, seed=1, device="cuda").view(64, 64).t()
-    assert torch.equal(torch.ops.uniep.widen(src).view(torch.int32), src.float().view(torch.int32))
-
-
-def test_to_compute_gradient_on_the_gpu():
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    w = torch.randn(8, 768, 256, generator=gen, device="cuda", requires_grad=True)
-    upstream = torch.randn(8, 768, 256, generator=gen, device="cuda").bfloat16()
-    (to_compute(w, torch.bfloat16) * upstream).sum().backward()
-    ours, w.grad = w.grad, None
-    (w.to(torch.bfloat16) * upstream).sum().backward()
-    assert ours.dtype == torch.float32 and torch.equal(ours, w.grad)
+    assert torch.equal(widen_to_float32(src).view(torch.int32), src.float().view(torch.int32))

@@ -1,9 +1,10 @@
 """widen: a 16-bit tensor's values in fp32 (exact), with vector loads and stores.
 
-The gradient of an fp32 master weight that the expert GEMMs used in bf16
-arrives in bf16 and is widened to fp32 once per weight and step (autograd's
-``Tensor.to`` backward in TorchTitan's experts; ``titan_uniep.op.to_compute``
-in UniEP's). torch's copy runs a bf16 -> fp32 cast element by element
+With an explicit ``wgrad_backend = "grouped_mm"`` and fp32 master weights,
+``torch._grouped_mm`` writes each weight gradient in bf16 (its output takes
+its operands' dtype) and ``runtime.launch.widen_to_float32`` widens it, as
+autograd's ``Tensor.to`` backward does in TorchTitan's experts (the default
+Triton kernel writes fp32 itself). torch's copy runs a bf16 -> fp32 cast element by element
 (``direct_copy_kernel_cuda``'s unrolled loop, about half the bandwidth of
 its vectorized fp32 -> bf16 cast on an H200: 0.61 against 0.32 ms for a
 128 x 768 x 2048 weight); this kernel reads and writes whole vectors (0.46

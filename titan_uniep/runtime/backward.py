@@ -13,7 +13,8 @@ deterministic layout as the forward:
        order (copied by the dH tasks with ``LayerParams.dh_copies_rows``,
        else by a gather launch), then per
        expert over all its rows: ``torch._grouped_mm`` on the GPU in bf16,
-       the Triton kernel elsewhere (``LayerParams.wgrad_backend``)
+       the Triton kernel elsewhere and for fp32 gradients of 16-bit data
+       (``LayerParams.wgrad_backend``)
 
 What is kept between forward and backward: the op's inputs (x, scores,
 indices, weights) and each slot's h1 and h3, which the forward wrote into the
@@ -34,8 +35,12 @@ Shapes as the forward (``runtime.forward``): ``grad_out``, ``x`` ``(T, D)`` in
 the workspace dtype; ``top_scores`` ``(T, K)`` fp32; ``indices`` ``(T, K)``
 int, distinct per token; ``w1``, ``w3`` ``(El, H, D)``, ``w2`` ``(El, D, H)``.
 Returns ``dx (T, D)`` (x.dtype), ``dscores (T, K)`` fp32, ``dw1``, ``dw2``,
-``dw3`` (the weights' shapes and dtype; accumulated in fp32, experts with no
-rows get zeros).
+``dw3`` (the weights' shapes, accumulated in fp32, experts with no rows get
+zeros) in the weights' dtype, or in ``weight_grad_dtype = torch.float32``:
+the GEMM's fp32 sums stored as they are, for fp32 master weights of which
+the 16-bit weights are casts (no 16-bit rounding, no widening copy; the
+Triton kernel, which ``torch._grouped_mm`` cannot replace: its output takes
+its operands' dtype).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from .launch import (
     tma_rows,
     use_timer,
     wait_bound,
+    widen_to_float32,
 )
 from .workspace import BackwardWorkspace
 
@@ -104,6 +110,7 @@ def moe_backward(
     params: LayerParams | None = None,
     error_check: ErrorCheck | None = None,
     saved_h13: torch.Tensor | None = None,
+    weight_grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``runtime.forward.moe_forward`` with real EP (one process per GPU).
 
@@ -112,7 +119,8 @@ def moe_backward(
     ``params``: default the workspace's. ``error_check``: as ``moe_forward``.
     ``saved_h13`` (required): the ``(slot_capacity, 2 * H)`` buffer the
     forward filled with each slot's h1 | h3 (``moe_forward(saved_h13=...)``,
-    same inputs and routing).
+    same inputs and routing). ``weight_grad_dtype``: dW1, dW2, dW3's dtype
+    (default the weights'; ``torch.float32``: see the module docstring).
     """
     if workspace.is_simulated:
         raise ValueError("moe_backward needs a BackwardWorkspace.for_group; use simulated_moe_backward otherwise")
@@ -129,7 +137,8 @@ def moe_backward(
     u = lambda t: t.contiguous().unsqueeze(0)  # noqa: E731
     call = CallArrays(x=u(x), grad_out=u(grad_out), scores=u(top_scores.to(torch.float32)), w1=u(w1), w2=u(w2),
                       w3=u(w3), h13=saved_h13.unsqueeze(0))
-    grads = launch_backward(workspace, call, p, score_before_experts, PHASES[schedule])
+    grads = launch_backward(workspace, call, p, score_before_experts, PHASES[schedule],
+                            grad_dtype=_weight_grad_dtype(weight_grad_dtype, w1.dtype))
     finish(ws, check)
     return tuple(g[0] for g in grads)
 
@@ -150,6 +159,7 @@ def simulated_moe_backward(
     poison_outputs: bool = False,
     saved_h13: torch.Tensor | None = None,
     error_check: ErrorCheck = "sync",
+    weight_grad_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """The backward for a simulated world of ``W`` ranks in this process (CPU
     interpreter or one GPU); arguments per rank as
@@ -159,7 +169,7 @@ def simulated_moe_backward(
     ``poison_outputs`` (tests): fill the outputs with NaN before the launches,
     so an element no task writes shows up. ``saved_h13`` (required):
     ``(W, slot_capacity, 2 * H)`` filled by ``simulated_moe_forward(saved_h13=...)``
-    on the same inputs."""
+    on the same inputs. ``weight_grad_dtype``: as ``moe_backward``'s."""
     _require_saved(saved_h13, "simulated_moe_backward", "runtime.forward.simulated_moe_forward")
     x_list = rank_tensors(xs, len(xs))
     world = len(x_list)
@@ -192,13 +202,19 @@ def simulated_moe_backward(
     call = CallArrays(x=x, grad_out=g, scores=stack_ranks(score_list, ws.shape.token_capacity, torch.float32),
                       w1=w1, w2=w2, w3=w3, h13=saved_h13)
     dx, ds, dw1, dw2, dw3 = launch_backward(workspace, call, p, score_before_experts, PHASES[schedule],
-                                            poison=poison_outputs)
+                                            poison=poison_outputs,
+                                            grad_dtype=_weight_grad_dtype(weight_grad_dtype, dtype))
     finish(ws, check)
     return [(dx[r, :num_tokens[r]], ds[r, :num_tokens[r]], dw1[r], dw2[r], dw3[r]) for r in range(world)]
 
 
-def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_local_experts: int = 1) -> str:
-    """The weight-gradient backend that runs for ``requested`` (``LayerParams.wgrad_backend``)."""
+def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_local_experts: int = 1,
+                  grad_dtype: torch.dtype | None = None) -> str:
+    """The weight-gradient backend that runs for ``requested`` (``LayerParams.wgrad_backend``)
+    on ``dtype`` data, the gradients in ``grad_dtype`` (default ``dtype``).
+    ``"auto"`` takes ``torch._grouped_mm`` where it runs and writes the
+    gradients' dtype (bf16), else the Triton kernel; an explicit
+    ``"grouped_mm"`` with fp32 gradients widens its bf16 output."""
     if requested not in WGRAD_BACKENDS:
         raise ValueError(f"wgrad backend must be one of {WGRAD_BACKENDS}, got {requested!r}")
     grouped = (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
@@ -208,7 +224,16 @@ def wgrad_backend(requested: str, dtype: torch.dtype, device: torch.device, num_
                          f"torch._grouped_mm and at most {GROUPED_MM_MAX_GROUPS} local experts "
                          f"(got {dtype}, {device}, {num_local_experts} local experts)")
     if requested == "auto":
-        return "grouped_mm" if grouped else "triton"
+        return "grouped_mm" if grouped and grad_dtype in (None, dtype) else "triton"
+    return requested
+
+
+def _weight_grad_dtype(requested: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
+    """The weight gradients' dtype: ``dtype`` (the data's) or fp32."""
+    if requested is None or requested == dtype:
+        return dtype
+    if requested != torch.float32:
+        raise ValueError(f"weight_grad_dtype must be the weights' dtype ({dtype}) or torch.float32, got {requested}")
     return requested
 
 
@@ -274,10 +299,10 @@ def _gather_slot_rows(bws: BackwardWorkspace, call: CallArrays, score_before: bo
 
 
 def _weight_grads(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, score_before: bool, poison: bool,
-                  rows_copied: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dW1, dW2, dW3 ``(L, El, ...)`` of every local rank: the dense slot rows
-    (unless dispatch_dh wrote them: ``rows_copied``), then the per-expert
-    GEMMs (``kernels.wgrad``)."""
+                  rows_copied: bool, grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dW1, dW2, dW3 ``(L, El, ...)`` in ``grad_dtype`` of every local rank: the
+    dense slot rows (unless dispatch_dh wrote them: ``rows_copied``), then the
+    per-expert GEMMs (``kernels.wgrad``)."""
     ws = bws.inner
     s = ws.shape
     dim, hidden, num_local, el = bws.dim, s.hidden, ws.num_local_ranks, s.num_local_experts
@@ -286,7 +311,7 @@ def _weight_grads(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, scor
         _gather_slot_rows(bws, call, score_before)
     xs, dys = rows[:, 0], rows[:, 1]
     h, dh1, dh3 = ws.h, bws.dh1, bws.dh3
-    if wgrad_backend(p.wgrad_backend, s.dtype, ws.device, el) == "grouped_mm":
+    if wgrad_backend(p.wgrad_backend, s.dtype, ws.device, el, grad_dtype) == "grouped_mm":
         # Each expert's slots are [base, base + rows), back to back in expert
         # order: the groups' end offsets; rows past the last are not read.
         tables = ws.route_tables
@@ -298,11 +323,10 @@ def _weight_grads(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, scor
             grads[0].append(torch._grouped_mm(dh1[local].t(), xs[local], offs=ends))
             grads[1].append(torch._grouped_mm(dys[local].t(), h[local], offs=ends))
             grads[2].append(torch._grouped_mm(dh3[local].t(), xs[local], offs=ends))
-        if num_local == 1:
-            return tuple(g[0].unsqueeze(0) for g in grads)
-        return tuple(torch.stack(g) for g in grads)
+        stacked = (g[0].unsqueeze(0) if num_local == 1 else torch.stack(g) for g in grads)
+        return tuple(g if g.dtype == grad_dtype else widen_to_float32(g) for g in stacked)
 
-    dw1, dw2, dw3 = torch.empty_like(call.w1), torch.empty_like(call.w2), torch.empty_like(call.w3)
+    dw1, dw2, dw3 = (torch.empty(w.shape, dtype=grad_dtype, device=w.device) for w in (call.w1, call.w2, call.w3))
     if poison:
         for out in (dw1, dw2, dw3):
             out.fill_(float("nan"))
@@ -331,9 +355,11 @@ def _weight_grads(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, scor
 
 
 def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, score_before: bool,
-                    phases: Sequence[str], poison: bool = False):
+                    phases: Sequence[str], poison: bool = False, grad_dtype: torch.dtype | None = None):
     """Launch the backward kernels for ``phases`` (see ``PHASES``), in order;
-    returns ``(dx, dscores, dw1, dw2, dw3)`` stacked on the local ranks."""
+    returns ``(dx, dscores, dw1, dw2, dw3)`` stacked on the local ranks, the
+    weight gradients in ``grad_dtype`` (default the weights')."""
+    grad_dtype = grad_dtype or call.w1.dtype
     ws = bws.inner
     s = ws.shape
     dim, hidden, top_k = bws.dim, s.hidden, s.top_k
@@ -423,12 +449,12 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
         elif phase == "wgrad":
             # (Race mode leaves rows undelivered on purpose: no weight gradients of them.)
             if not p.debug_race:
-                dws = _weight_grads(bws, call, p, score_before, poison, copy_rows)
+                dws = _weight_grads(bws, call, p, score_before, poison, copy_rows, grad_dtype)
         elif phase == "reduce":
             da_combine(0, 1)
         else:
             raise ValueError(f"unknown phase {phase!r}")
     if dws is None:  # phases without the weight gradients (tests of single phases)
-        dws = tuple(torch.full_like(w, float("nan")) for w in (call.w1, call.w2, call.w3))
+        dws = tuple(torch.full_like(w, float("nan"), dtype=grad_dtype) for w in (call.w1, call.w2, call.w3))
     dw1, dw2, dw3 = dws
     return dx, ds, dw1, dw2, dw3

@@ -21,6 +21,7 @@ import triton
 
 from ..kernels.route import (count_parts, exchange_counts_kernel, route_block, route_histogram_kernel,
                              route_layout_kernel)
+from ..kernels.widen import widen_kernel
 from ..params import LayerParams
 from .workspace import Workspace
 
@@ -293,3 +294,18 @@ def finish(ws: Workspace, check: str) -> None:
             ws.check_errors()
     else:
         ws.schedule_error_poll()
+
+
+_WIDEN_BLOCK = 8192
+
+
+def widen_to_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, exact: a 16-bit CUDA tensor through ``kernels.widen``
+    (vectorized), anything else through ``Tensor.to``."""
+    if t.device.type != "cuda" or t.dtype.itemsize != 2:
+        return t.to(torch.float32)
+    t = t.contiguous()
+    out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    if t.numel():
+        widen_kernel[(triton.cdiv(t.numel(), _WIDEN_BLOCK),)](t, out, t.numel(), BLOCK=_WIDEN_BLOCK, num_warps=8)
+    return out

@@ -42,7 +42,9 @@ class ScheduleFn(Protocol):
     casts them: ``titan_uniep.compute_dtype``); the output, summed over k in
     fp32, is rounded once to ``out_dtype`` (default ``x.dtype``; a TorchTitan
     edge passes the dtype its release's combine rounds to, see
-    ``titan_uniep.torchtitan.layer.UniEPExperts``)."""
+    ``titan_uniep.torchtitan.layer.UniEPExperts``). The kernel schedules
+    also take ``master_weights``: the fp32 weights that 16-bit w1, w2, w3 are
+    casts of, which then receive the weight gradients (``titan_uniep.op``)."""
 
     def __call__(
         self,

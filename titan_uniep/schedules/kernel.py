@@ -13,10 +13,12 @@ from titan_uniep.schedules.interface import Routing
 
 def _kernel_schedule(name: str):
     def run(x, routing: Routing, w1, w2, w3, *, group: dist.ProcessGroup, score_before_experts: bool,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, master_weights: tuple | None = None) -> torch.Tensor:
+        # master_weights: the fp32 (w1, w2, w3) the 16-bit weights are casts of,
+        # which receive the weight gradients in fp32 (titan_uniep.op).
         out, _h13 = torch.ops.uniep.moe_experts(
             x, routing.top_scores, routing.selected_experts_indices, w1, w2, w3,
-            group.group_name, name, score_before_experts, out_dtype,
+            group.group_name, name, score_before_experts, out_dtype, *(master_weights or (None, None, None)),
         )
         return out
 

@@ -16,7 +16,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from titan_uniep.compute_dtype import cast_to_compute, layer_compute_dtype
+from titan_uniep.compute_dtype import cast_to_compute, layer_compute_dtype, master_weights
 from titan_uniep.schedules import Routing, get_schedule
 from titan_uniep.testing import UniEPTestHooks
 
@@ -166,16 +166,10 @@ class BitwiseGuard:
 # run-to-run determinism.
 _NON_OVERLAPPED = {"fused": "sequential", "sequential": "sequential", "reference": "reference"}
 
-
-def _weight_cast(schedule: str):
-    """The kernel schedules cast the expert weights with ``titan_uniep.op.to_compute``
-    (its gradient widened by a kernel); the reference schedule, which loads no
-    Triton, with ``Tensor.to``."""
-    if schedule not in ("fused", "sequential"):
-        return None
-    from titan_uniep.op import to_compute
-
-    return to_compute
+# The schedules that take fp32 master weights next to their 16-bit casts and
+# write the masters' gradients in fp32 themselves (``titan_uniep.op``); the
+# reference schedule's casts are differentiable ``Tensor.to`` calls.
+_MASTER_WEIGHT_SCHEDULES = ("fused", "sequential")
 
 
 class UniEPExperts:
@@ -232,11 +226,18 @@ class UniEPExperts:
             # The framework's combine precision: scores and the sum over k rounded to it.
             routing = Routing(routing.top_scores.to(combine_dtype), routing.selected_experts_indices)
             out_dtype = combine_dtype
-        x, w1, w2, w3 = cast_to_compute(layer_compute_dtype(self.compute_dtype, x), x, w1, w2, w3,
-                                        weight_cast=_weight_cast(self.schedule))
+        dtype = layer_compute_dtype(self.compute_dtype, x)
+        (x,) = cast_to_compute(dtype, x)
+        masters = {}
+        if self.schedule in _MASTER_WEIGHT_SCHEDULES:
+            (w1, w2, w3), fp32 = master_weights(dtype, w1, w2, w3)
+            if fp32 is not None:
+                masters = dict(master_weights=fp32)
+        else:
+            w1, w2, w3 = cast_to_compute(dtype, w1, w2, w3)
         run = get_schedule(self.schedule)
         out = run(x, routing, w1, w2, w3, group=self.ep_group, score_before_experts=self.score_before_experts,
-                  out_dtype=out_dtype)
+                  out_dtype=out_dtype, **masters)
         if self.guard is not None and self.guard.due():
             with torch.no_grad():
                 again = get_schedule(_NON_OVERLAPPED.get(self.schedule, self.schedule))(
