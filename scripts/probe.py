@@ -3,6 +3,8 @@
     python scripts/probe.py --shape qwen3 --world 2 --variants '[{}, {"fc2_block_n": 256}]'
     python scripts/probe.py --shape 2048,7168,2048,256,8 --set da_block_k=64
     python scripts/probe.py --shape qwen3 --world 1 --real-path
+    python scripts/probe.py --shape 8192,2048,768,128,8 --world 1 --weight-grad-dtype float32 \
+        --variants '[{}, {"wgrad_backend": "grouped_mm"}]'
 
 A simulated EP world of ``--world`` ranks runs on this GPU (every rank's
 buffers in one process, one launch per kernel for the whole world; weights
@@ -12,7 +14,9 @@ baseline) it times the fused forward (saving h1 | h3, as the custom op runs
 it), the fused backward, and their sequential schedules, in alternating
 rounds, and checks that the variant's outputs and gradients equal the
 baseline's bit for bit (a schedule field never changes a bit; a numerics
-field, such as ``*_block_k``, may). ``--real-path`` (world 1)
+field, such as ``*_block_k``, may). ``--weight-grad-dtype float32``: the
+backward writes the weight gradients in fp32, as for fp32 master weights
+(TorchTitan's NGPU = 1 training under AMP). ``--real-path`` (world 1)
 also times ``moe_forward`` on a one-rank process group against the simulated
 one-rank world: the harness must cost nothing.
 """
@@ -59,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--real-path", action="store_true", help="world 1: also time moe_forward on a one-rank group")
+    ap.add_argument("--weight-grad-dtype", choices=("data", "float32"), default="data",
+                    help="the weight gradients' dtype: the data's (bf16), or fp32 as for fp32 master weights")
     ap.add_argument("--forward-only", action="store_true", help="time the fused forward only (bits: forward and "
                     "every gradient, as always)")
     return ap
@@ -71,6 +77,7 @@ def main() -> None:
         ap.error("the probe times one layer: give one --shape")
     shape_name, (t, d, h, e, k) = args.shapes[0]
     world, sb = args.world, args.score_before
+    grad_dtype = torch.float32 if args.weight_grad_dtype == "float32" else None
     base = apply_overrides(default_params(world, hidden=h), args.set)
     points = [base.replace(**change) for change in json.loads(args.variants)]
     inp = world_inputs(t, d, h, e, k, world)
@@ -80,7 +87,7 @@ def main() -> None:
     h13 = torch.empty(world, ws.shape.slot_capacity, 2 * h, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(inp["x"])
     print(f"shape {shape_name}: T={t} per rank, D={d}, H={h}, E={e}, K={k}, simulated world {world}, "
-          f"{torch.cuda.get_device_name()}", flush=True)
+          f"{torch.cuda.get_device_name()}, weight gradients in {args.weight_grad_dtype}", flush=True)
 
     def forward(p, schedule):
         return lambda: simulated_moe_forward(inp["x"], inp["scores"], inp["indices"], inp["w1"], inp["w2"], inp["w3"],
@@ -90,7 +97,8 @@ def main() -> None:
     def backward(p, schedule):
         return lambda: simulated_moe_backward(inp["grad"], inp["x"], inp["scores"], inp["indices"], inp["w1"],
                                               inp["w2"], inp["w3"], schedule=schedule, score_before_experts=sb,
-                                              params=p, workspace=bws, saved_h13=h13, error_check="lazy")
+                                              params=p, workspace=bws, saved_h13=h13, error_check="lazy",
+                                              weight_grad_dtype=grad_dtype)
 
     times = {(i, what): [] for i in range(len(points)) for what in ("fwd", "bwd", "fwd_seq", "bwd_seq")}
     for r in range(args.rounds):

@@ -213,6 +213,11 @@ def test_master_weights_all_three_in_fp32_and_in_their_casts_shape(group, poison
         torch.ops.uniep.moe_experts(*args, w["w1"], w["w2"].double(), w["w3"])
     with pytest.raises(ValueError, match="master_w3 must be the fp32 weight"):
         torch.ops.uniep.moe_experts(*args, w["w1"], w["w2"], w["w3"][:2])
+    # The kernel schedules refuse casts that autograd would differentiate (their gradient would be dropped).
+    masters = tuple(w[k].clone().requires_grad_() for k in ("w1", "w2", "w3"))
+    with pytest.raises(ValueError, match="must be detached casts"):
+        get_schedule("fused")(w["x"].half(), Routing(w["scores"], w["indices"]), *(m.half() for m in masters),
+                              group=group, score_before_experts=False, master_weights=masters)
     assert not op._workspaces
 
 

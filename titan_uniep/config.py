@@ -52,7 +52,9 @@ class UniEP:
     (``use_grouped_mm = False``). ``"float32"``: fp32 GEMMs (IEEE fp32 dot
     products, several times slower on GPUs). Either way the GEMMs accumulate
     in fp32, the layer's output has the tokens' dtype and every gradient its
-    tensor's dtype (see ``titan_uniep.compute_dtype``)."""
+    tensor's dtype; fp32 master weights get their gradients in fp32 from the
+    kernels' weight-gradient GEMM, not rounded to bf16 (see
+    ``titan_uniep.compute_dtype``)."""
 
     guard: Literal["off", "check", "strict"] = "off"
     """Runtime check of the bitwise contract. ``"off"``: none. ``"check"``:
