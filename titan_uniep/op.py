@@ -318,7 +318,7 @@ def _moe_experts_backward_fake(grad_out, x, top_scores, selected_experts_indices
                                schedule, score_before_experts, weight_grad_dtype=None):
     dtype = weight_grad_dtype or w1.dtype
     return (x.new_empty(x.shape), top_scores.new_empty(top_scores.shape, dtype=torch.float32),
-            w1.new_empty(w1.shape, dtype=dtype), w2.new_empty(w2.shape, dtype=dtype), w3.new_empty(w3.shape, dtype=dtype))
+            *(w.new_empty(w.shape, dtype=dtype) for w in (w1, w2, w3)))
 
 
 def _setup_context(ctx, inputs, output) -> None:
