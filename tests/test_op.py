@@ -268,11 +268,14 @@ def test_interpreted_op_refuses_bf16_naming_the_fix(group, poisoned_memory):
     assert not op._workspaces
 
 
-@torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap
-def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory):
-    """A TorchTitan MoE (router, shared expert, load-balancing buffer) swapped to
-    UniEP, schedule "fused" on the one-rank group, compiled in one graph
-    (AOT autograd traces the backward through the backward op's fake)."""
+def eager_and_compiled_moe(group, *, seed, num_shared_experts, tokens, autocast=None):
+    """A TorchTitan 0.2.2 MoE (router, shared experts, load-balancing buffer,
+    for-loop experts) swapped to UniEP by the 0.2.2 edge, schedule "fused" on
+    the one-rank group, trained one step eager and compiled in one graph
+    (``aot_eager``: AOT autograd traces the backward through the backward
+    op's fake), each from the same weights and on the same batch, under
+    ``autocast`` (a dtype) or none. Returns both runs' output, input gradient,
+    ``tokens_per_expert`` and parameter gradients."""
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
@@ -280,14 +283,14 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
     from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
     apply_cpu_shims()  # int histc of TorchTitan's router on CPU
-    torch.manual_seed(31)
-    args = MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="softmax", route_norm=True,
-                   score_before_experts=False, use_grouped_mm=False)
+    torch.manual_seed(seed)
+    args = MoEArgs(num_experts=4, num_shared_experts=num_shared_experts, top_k=2, score_func="softmax",
+                   route_norm=True, score_before_experts=False, use_grouped_mm=False)
     base = MoE(args, dim=DIM, hidden_dim=HIDDEN)
     with torch.no_grad():
         base.init_weights(init_std=0.1, buffer_device=torch.device("cpu"))
-    x = torch.randn(1, 13, DIM)
-    grad = torch.randn(1, 13, DIM)
+    x = torch.randn(1, tokens, DIM)
+    grad = torch.randn(1, tokens, DIM)
 
     def run(compiled: bool):
         moe = copy.deepcopy(base)
@@ -297,16 +300,25 @@ def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory
         for ws in op._workspaces.values():
             ws.poison()
         xx = x.clone().requires_grad_()
-        out = model(xx)
-        out.backward(grad)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(xx)
+        out.float().backward(grad)
         return {"out": out.detach(), "x.grad": xx.grad, "tokens_per_expert": moe.tokens_per_expert.clone(),
                 **{f"{n}.grad": p.grad for n, p in moe.named_parameters()}}
 
-    eager, compiled = run(False), run(True)
+    return run(False), run(True)
+
+
+def assert_same_bits(eager: dict, compiled: dict) -> None:
     assert eager.keys() == compiled.keys()
     for name in eager:
-        assert not torch.isnan(eager[name]).any(), name
+        assert eager[name] is not None and not torch.isnan(eager[name]).any(), name
         assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
+
+
+@torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap
+def test_compiled_moe_holding_the_op_gives_the_eager_bits(group, poisoned_memory):
+    assert_same_bits(*eager_and_compiled_moe(group, seed=31, num_shared_experts=1, tokens=13))
 
 
 @torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap
@@ -316,46 +328,14 @@ def test_fp32_parameters_under_autocast_get_fp32_gradients_from_the_kernels_eage
     to a 16-bit dtype (fp16 here: the interpreter's bf16 dot products are
     wrong), for-loop experts, which compute in autocast's dtype. The layer
     passes fp16 casts and the fp32 weights as their masters: the experts'
-    gradients are fp32 and not rounded to 16 bits; compiled (AOT autograd
-    through the ops' fakes) gives the eager bits."""
-    from torchtitan.models.moe.moe import MoE, MoEArgs
-
-    from titan_uniep.config import UniEP
-    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
-    from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
-
-    apply_cpu_shims()
-    torch.manual_seed(47)
-    args = MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
-                   score_before_experts=False, use_grouped_mm=False)
-    base = MoE(args, dim=DIM, hidden_dim=HIDDEN)
-    with torch.no_grad():
-        base.init_weights(init_std=0.1, buffer_device=torch.device("cpu"))
-    x = torch.randn(1, 11, DIM)
-    grad = torch.randn(1, 11, DIM)
-    seen = []
-
-    def run(compiled: bool):
-        moe = copy.deepcopy(base)
-        _swap_to_uniep(torch.nn.ModuleDict({"moe": moe}), UniEP(enable=True, schedule="fused"))
-        moe.experts.ep_group = group
-        model = torch.compile(moe, backend="aot_eager", fullgraph=True) if compiled else moe
-        xx = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(xx)
-        out.float().backward(grad)
-        seen.append({key[-2] for key in op._workspaces})
-        return {"out": out.detach(), "x.grad": xx.grad, **{f"{n}.grad": p.grad for n, p in moe.named_parameters()}}
-
-    eager, compiled = run(False), run(True)
-    assert seen == [{torch.float16}] * 2, f"the kernels ran in {seen}"
+    gradients are fp32 and not rounded to 16 bits; compiled gives the eager bits."""
+    eager, compiled = eager_and_compiled_moe(group, seed=47, num_shared_experts=0, tokens=11,
+                                             autocast=torch.float16)
+    assert {key[-2] for key in op._workspaces} == {torch.float16}, "the kernels did not run in fp16"
     for name in ("w1", "w2", "w3"):
         g = eager[f"experts.{name}.grad"]
         assert g.dtype == torch.float32 and (g != g.half().float()).float().mean() > 0.5, f"{name}: rounded"
-    assert eager.keys() == compiled.keys()
-    for name in eager:
-        assert eager[name] is not None and not torch.isnan(eager[name]).any(), name
-        assert torch.equal(eager[name], compiled[name]), f"{name}: compiled differs from eager"
+    assert_same_bits(eager, compiled)
 
 
 @torchtitan_0_2  # TorchTitan 0.2.2's MoE and the 0.2.2 edge's swap

@@ -90,6 +90,17 @@ def run(layer, x, scores, indices, grad):
     return [out.detach(), xx.grad, ss.grad, layer.w1.grad, layer.w2.grad, layer.w3.grad]
 
 
+def without_host_sync(fn) -> None:
+    """Run ``fn`` with CUDA's sync debug mode "error": a device-to-host sync raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def check_float64(got, x, scores, indices, grad, w):
     leaves = [t.double().requires_grad_() for t in (x, scores, *w)]
     ref = float64_moe_oracle(leaves[0], leaves[1], indices, *leaves[2:], score_before_experts=False)
@@ -122,13 +133,7 @@ def main():
     print("1. eager fused == sequential bitwise, close to float64", flush=True)
 
     # 2. No host sync on the fused path, forward and backward.
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run(layers["fused"], *data)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    without_host_sync(lambda: run(layers["fused"], *data))
     print("2. fused forward + backward: no host sync", flush=True)
 
     # 3. Compiled (inductor, one graph) == eager, bit for bit, on two calls.
@@ -190,13 +195,7 @@ def main():
     for name, a, b in zip(GRADS, got["fused"], plain):
         ok = torch.equal(a.bfloat16(), b) if name.startswith("dw") else torch.equal(a, b)
         assert ok, f"masters {name}: not the bf16 op's bits (rounded)"
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run(masters["fused"], *data)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    without_host_sync(lambda: run(masters["fused"], *data))
     compiled = torch.compile(MasterOpLayer(*w, group.group_name, "fused"), fullgraph=True)
     for seed in (3, 4):
         batch = inputs(seed, dev)
