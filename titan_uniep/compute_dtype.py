@@ -2,7 +2,7 @@
 
 TorchTitan-free: every TorchTitan edge resolves ``[uniep] compute_dtype`` with
 ``resolve`` when it swaps a layer, and runs the layer's schedule through
-``cast_to_compute``.
+``cast_to_compute`` (the kernel schedules' weights through ``master_weights``).
 
 The rule is TorchTitan's own: UniEP's experts compute in the dtype TorchTitan's
 experts would compute in for the same job, so that swapping the MoE path keeps
