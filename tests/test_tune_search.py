@@ -273,3 +273,39 @@ def test_the_confirmation_run_takes_the_fastest_the_default_and_the_combined_cho
     fake_model.feasible = lambda point, shape, hw: "too big" if point == both else None
     assert tune.confirmation_set(times, points, base, best, "forward", tune.SearchOptions(), None, None) == \
         (["default", names[tma]], {})
+
+
+def test_the_tuned_entry_is_verified_with_the_weight_gradients_in_each_dtype():
+    """``verify_entry`` compares the weight gradients also in fp32 (fp32 master
+    weights), where a tile field of the weight-gradient kernel reaches the
+    stored sums: a point whose fp32 gradients alone differ is named."""
+    import torch.distributed as dist
+
+    default = default_params(1, hidden=768)
+    tuned = default.replace(wgrad_w13_num_warps=4 if default.wgrad_w13_num_warps != 4 else 8)
+    h13 = torch.zeros(4, 2)
+    gen = torch.Generator().manual_seed(3)
+    dx, ds, w = torch.randn(5, 2, generator=gen), torch.rand(5, 2, generator=gen), torch.randn(3, 2, generator=gen)
+
+    def forward(point):
+        h13.copy_(torch.arange(8.0).view(4, 2))
+        return dx * 2
+
+    def backward_of(differs_in):
+        def backward(point, weight_grad_dtype):
+            dtype = weight_grad_dtype or torch.bfloat16
+            grads = [w.to(dtype) for _ in range(3)]
+            if point is tuned and weight_grad_dtype == differs_in:
+                grads[0] = grads[0] * (1 + 2**-20)  # below bf16's precision, within fp32's
+            return (dx.clone(), ds.clone(), *grads)
+        return backward
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert tune.verify_entry(forward, backward_of(torch.float32), default, default, tuned, h13, group,
+                                 "cpu") == ["dw1 in float32"]
+        assert tune.verify_entry(forward, backward_of("never"), default, default, tuned, h13, group, "cpu") == []
+        assert tune.BACKWARD_NAMES[2:5] == ("dw1", "dw2", "dw3")
+    finally:
+        dist.destroy_process_group()

@@ -41,6 +41,12 @@ context_parallel_degree``), per direction:
    (``verify_entry``), else nothing of the shape is cached and the refusal
    names the fields and the tensors that differ.
 
+Bits are compared with the weight gradients in both dtypes the backward
+writes in training (``WEIGHT_GRAD_DTYPES``): the data's, and fp32 for fp32
+master weights (TorchTitan's NGPU = 1 training), where the weight-gradient
+kernel's tile fields reach the stored sums; the backward is timed in the
+data's dtype.
+
 A progress bar per shape counts the measurements. ``--numerics`` lets the
 candidates change summation-order fields too: they are measured and
 reported, but a point that changes bits is never cached.
@@ -400,6 +406,25 @@ def pick(measured: dict[str, float | None], names: list[str], default_name: str,
     return default_name, notes, violations
 
 
+WEIGHT_GRAD_DTYPES = (None, torch.float32)
+"""The weight gradients' dtypes the bits are compared in: the data's (None),
+and fp32 (fp32 master weights: ``runtime.backward``'s ``weight_grad_dtype``)."""
+
+
+def backward_outputs(backward, point: LayerParams) -> list[torch.Tensor]:
+    """``(dx, dscores, dw1, dw2, dw3)`` of ``backward(point, None)``, then the
+    weight gradients of every other ``WEIGHT_GRAD_DTYPES`` entry (copies)."""
+    outputs = [g.clone() for g in backward(point, None)]
+    for dtype in WEIGHT_GRAD_DTYPES[1:]:
+        outputs += [g.clone() for g in backward(point, dtype)[2:]]
+    return outputs
+
+
+BACKWARD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3",
+                  *(f"{w} in {str(d).removeprefix('torch.')}" for d in WEIGHT_GRAD_DTYPES[1:]
+                    for w in ("dw1", "dw2", "dw3")))
+
+
 def equal_everywhere(pairs, group: dist.ProcessGroup, device) -> bool:
     """Whether every ``(a, b)`` tensor pair is bitwise equal on every rank of ``group``."""
     flag = torch.tensor([int(all(torch.equal(a, b) for a, b in pairs))], device=device)
@@ -409,18 +434,19 @@ def equal_everywhere(pairs, group: dist.ProcessGroup, device) -> bool:
 
 def verify_entry(forward, backward, default: LayerParams, forward_point: LayerParams, backward_point: LayerParams,
                  h13: torch.Tensor, group: dist.ProcessGroup, device) -> list[str]:
-    """The tensors (``out``, ``h13``, ``dx``, ``dscores``, ``dw1``, ``dw2``,
-    ``dw3``) in which the tuned layer (the forward at ``forward_point``, the
-    backward at ``backward_point`` on that forward's h1 | h3) differs from
-    the default's on any rank of ``group``; empty when every bit is equal.
-    ``forward(point)`` / ``backward(point)`` run one call into ``h13``."""
-    names = ("out", "h13", "dx", "dscores", "dw1", "dw2", "dw3")
+    """The tensors (``out``, ``h13``, then ``BACKWARD_NAMES``: every gradient,
+    the weight gradients in each of ``WEIGHT_GRAD_DTYPES``) in which the tuned
+    layer (the forward at ``forward_point``, the backward at ``backward_point``
+    on that forward's h1 | h3) differs from the default's on any rank of
+    ``group``; empty when every bit is equal. ``forward(point)`` /
+    ``backward(point, weight_grad_dtype)`` run one call into ``h13``."""
+    names = ("out", "h13", *BACKWARD_NAMES)
     runs = []
     for fwd, bwd in ((default, default), (forward_point, backward_point)):
         h13.zero_()
         out = forward(fwd).clone()
         saved = h13.clone()
-        runs.append((out, saved, *(g.clone() for g in backward(bwd))))
+        runs.append((out, saved, *backward_outputs(backward, bwd)))
     flags = torch.tensor([int(torch.equal(a, b)) for a, b in zip(*runs)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
     return [name for name, same in zip(names, flags.tolist()) if not same]
@@ -472,9 +498,10 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
         return moe_forward(x, scores, indices, *weights, workspace=workspace(point, "forward"),
                            schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13)
 
-    def backward(point):
+    def backward(point, weight_grad_dtype=None):
         return moe_backward(grad, x, scores, indices, *weights, workspace=workspace(point, "backward"),
-                            schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13)
+                            schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13,
+                            weight_grad_dtype=weight_grad_dtype)
 
     def same_bits(direction: str, point: LayerParams) -> bool:
         if direction == "forward":
@@ -484,7 +511,7 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
             got = (forward(point), h13)
         else:
             forward(default)
-            want, got = backward(default), backward(point)
+            want, got = backward_outputs(backward, default), backward_outputs(backward, point)
         return equal_everywhere(zip(want, got), group, dev)
 
     result = SearchResult(layer, None)
