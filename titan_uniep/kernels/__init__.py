@@ -9,7 +9,8 @@ live in ``titan_uniep.runtime``):
 - ``dispatch_dh`` (with the SwiGLU backward pass) and ``da_combine``: the
   backward megakernels;
 - ``wgrad``: the weight gradients;
-- ``widen``: 16-bit -> fp32 (the weight gradients back to fp32 master weights).
+- ``widen``: 16-bit -> fp32 (``torch._grouped_mm``'s bf16 weight gradients of
+  fp32 master weights, where that backend is asked for).
 
 Without CUDA, Triton can run these kernels only through its interpreter, and
 ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, so it is
