@@ -162,3 +162,27 @@ def test_resolve_names_the_key_and_the_values():
         compute_dtype.resolve("fp16", framework_casts_to_bf16=True)
     with pytest.raises(ValueError, match=r"\[uniep\] compute_dtype = 'bf16' is not a compute dtype"):
         UniEP(enable=True, compute_dtype="bf16")
+
+
+def test_the_weight_gradients_dtype_of_a_job_follows_where_its_weights_arrive():
+    """fp32 only where the kernels compute in 16 bits on fp32 weights: the
+    masters of ``master_weights`` (no FSDP: AMP's fp32 parameters; or FSDP
+    keeping fp32 parameters); the data's (None) under FSDP's bf16 weights or
+    for fp32 GEMMs."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert compute_dtype.weight_grad_dtype(bf16, fp32) == fp32
+    assert compute_dtype.weight_grad_dtype(torch.float16, fp32) == fp32
+    assert compute_dtype.weight_grad_dtype(bf16, bf16) is None
+    assert compute_dtype.weight_grad_dtype(fp32, fp32) is None
+    job = compute_dtype.job_weight_grad_dtype
+    assert job(bf16, fsdp=False, mixed_precision_param="bfloat16") == fp32
+    assert job(bf16, fsdp=True, mixed_precision_param="bfloat16") is None
+    assert job(bf16, fsdp=True, mixed_precision_param="float32") == fp32
+    assert job(fp32, fsdp=False, mixed_precision_param="bfloat16") is None
+    with pytest.raises(ValueError, match="mixed-precision dtype 'half'"):
+        job(bf16, fsdp=True, mixed_precision_param="half")
+    # master_weights takes the same rule: masters exactly where the gradients are fp32.
+    w = torch.randn(2, 3, 4)
+    casts, masters = compute_dtype.master_weights(bf16, w, w, w)
+    assert masters is not None and all(c.dtype == bf16 and not c.requires_grad for c in casts)
+    assert compute_dtype.master_weights(bf16, w.to(bf16), w, w)[1] is None

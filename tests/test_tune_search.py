@@ -5,6 +5,7 @@ order, and the MoE shapes of a train config."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 import weakref
@@ -34,6 +35,10 @@ class FakeShape:
     ep_size: int
     dtype_bytes: int = 2
     score_before_experts: bool = False
+    weight_grad_bytes: int | None = None
+
+    def grouped_mm_weight_grads(self, backend):
+        return backend == "auto" and self.weight_grad_bytes in (None, self.dtype_bytes)
 
 
 def _field(kind, stage, order_key=None):
@@ -57,8 +62,11 @@ def fake_model(monkeypatch):
         "da_num_warps": _field("schedule", "da"),
         "da_block_n": _field("schedule", "da"),
         "reduce_block_tokens": _field("schedule", "reduce"),
+        "wgrad_w13_block_m": _field("schedule", "wgrad"),
+        "wgrad_w2_num_stages": _field("schedule", "wgrad"),
         "timeout_s": _field("fixed", "all"),
     }
+    space.WGRAD_CHOICES = {}
     space.points, space.times = [], None
     space.enumerate_points = lambda shape, numerics, hw: iter(space.points)
     space.feasible = lambda point, shape, hw: "too big" if point.fc2_block_n == 16 else None
@@ -153,6 +161,32 @@ def test_neighbours_swap_one_gemm_stage_of_the_models_best_and_the_measured_best
     assert tune.combined_choices(best, {best: None, tma: 1.0}, "forward") == best  # the best failed: no step
 
 
+def test_weight_gradient_tiles_are_backward_neighbours_where_the_triton_kernel_writes_fp32_gradients(fake_model):
+    base = default_params(1, hidden=768)
+    fake_model.GRID_STAGES = {("fc1_block_n",): ((128,), (64,)), ("da_block_n",): ((128,), (64,))}
+    fake_model.WGRAD_CHOICES = {("wgrad_w13_block_m", "wgrad_w2_num_stages"): (
+        (base.wgrad_w13_block_m, base.wgrad_w2_num_stages), (64, base.wgrad_w2_num_stages), (64, 4))}
+    fake_model.repeats_another = lambda point, shape: False
+    fake_model.points = [base.replace(dispatch_programs=32)]
+    best = fake_model.points[0]
+    wgrad = [best.replace(wgrad_w13_block_m=64), best.replace(wgrad_w13_block_m=64, wgrad_w2_num_stages=4)]
+    options = tune.SearchOptions(top=1)
+    fp32 = dataclasses.replace(LAYER, weight_grad_dtype=torch.float32)
+    for layer, direction, want in ((LAYER, "backward", [best.replace(da_block_n=64)]),
+                                   (dataclasses.replace(LAYER, weight_grad_dtype=torch.bfloat16), "backward",
+                                    [best.replace(da_block_n=64)]),
+                                   (fp32, "backward", [best.replace(da_block_n=64), *wgrad]),
+                                   (fp32, "forward", [best.replace(fc1_block_n=64)])):
+        got = [p for p, _ in tune.candidates(layer, None, 1, direction, options, None)]
+        assert got == [base, best, *want], (layer.weight_grad_dtype, direction)
+    # The combination adopts the weight-gradient choice only where those tiles are neighbours.
+    measured = {best: 2.5, wgrad[0]: 2.6, wgrad[1]: 2.2, best.replace(da_block_n=64): 2.4}
+    shape = tune.layer_shape(fp32, 1)
+    assert tune.combined_choices(best, measured, "backward", shape) == wgrad[1].replace(da_block_n=64)
+    assert tune.combined_choices(best, measured, "backward", tune.layer_shape(LAYER, 1)) == \
+        best.replace(da_block_n=64)
+
+
 def test_pick_takes_the_fastest_point_with_the_default_bits():
     measured = {"default": 10.0, "numerics": 7.0, "broken": 7.5, "good": 8.0, "better_but_failed": None, "tie": 9.9}
     kinds = {"numerics": (False, False), "broken": (False, True), "good": (True, True), "tie": (True, True)}
@@ -231,8 +265,27 @@ def test_alternating_rounds_build_each_path_alone_and_drop_a_failing_one(monkeyp
 def test_config_layers_reads_the_moe_shape_of_a_train_config():
     layers, ep = tune.config_layers(str(REPO / "train_configs" / "qwen3_30b_a3b_4l_uniep.toml"))
     assert ep == 1
-    assert [(l.dims, l.score_before_experts, l.dtype) for l in layers] == [
-        ((2 * 4096, 2048, 768, 128, 8), False, torch.bfloat16)]
+    # One GPU: no FSDP, fp32 parameters under AMP, bf16 GEMMs: fp32 master weights' gradients.
+    assert [(l.dims, l.score_before_experts, l.dtype, l.weight_grad_dtype) for l in layers] == [
+        ((2 * 4096, 2048, 768, 128, 8), False, torch.bfloat16, torch.float32)]
+    # Two GPUs (dp_shard -1 -> 2): FSDP hands the experts bf16 weights, whose gradients are bf16.
+    layers, _ = tune.config_layers(str(REPO / "train_configs" / "qwen3_30b_a3b_4l_uniep.toml"), 2)
+    assert [l.weight_grad_dtype for l in layers] == [None]
+    layers, ep = tune.config_layers(str(REPO / "train_configs" / "qwen3_debug_moe_uniep.toml"), 2)
+    assert ep == 2 and {l.weight_grad_dtype for l in layers} == {None}
+
+
+@torchtitan_0_2
+def test_the_command_line_sets_the_weight_gradients_dtype_the_backward_is_timed_in():
+    parser = tune.build_parser()
+    config = str(REPO / "train_configs" / "qwen3_30b_a3b_4l_uniep.toml")
+    for argv, want in ((["--shape", "qwen3_1gpu"], None),
+                       (["--shape", "qwen3_1gpu", "--weight-grad-dtype", "float32"], torch.float32),
+                       (["--config", config], torch.float32),
+                       (["--config", config, "--weight-grad-dtype", "data"], None)):
+        (layer,) = tune.requested_layers(parser, parser.parse_args(argv), 1)
+        assert layer.weight_grad_dtype == want, argv
+        assert tune.layer_shape(layer, 1).grad_bytes == (4 if want else 2)
 
 
 def test_the_confirmation_run_takes_the_fastest_the_default_and_the_combined_choices(fake_model):

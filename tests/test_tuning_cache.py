@@ -269,3 +269,42 @@ def test_tuning_defaults_to_off_and_parses():
     cfg = UniEP(enable=True, schedule="fused", tuning="cached", tuning_cache="/tmp/t.json")
     assert (cfg.tuning, cfg.tuning_cache) == ("cached", "/tmp/t.json")
     assert cache.default_cache_path().endswith("titan_uniep/tuning.json")
+
+
+def test_the_start_up_search_tunes_each_shape_with_the_jobs_weight_gradient_dtype(tmp_path, monkeypatch):
+    """``tuning = "search"``: each distinct MoE shape is searched once, with the
+    weight gradients' dtype the job writes (the hook's
+    ``compute_dtype.job_weight_grad_dtype``), and the policy is registered."""
+    from titan_uniep.tools import tune
+
+    searched = []
+    monkeypatch.setattr(selection, "_policies", {})
+    monkeypatch.setattr(tune, "search_layer", lambda group, layer, options: searched.append(layer)
+                        or tune.SearchResult(layer, None))
+    monkeypatch.setattr(selection.dist, "get_rank", lambda group=None: 0)
+
+    def moe(hidden):
+        return SimpleNamespace(experts=SimpleNamespace(w1=torch.empty(8, hidden, 64, device="meta")),
+                               router=SimpleNamespace(top_k=2), score_before_experts=False)
+
+    group = SimpleNamespace(group_name="search-test")
+    for grads in (torch.float32, None):
+        searched.clear()
+        policy = selection.configure_tuning(group, "search", str(tmp_path / "tuning.json"),
+                                            moe_modules=[moe(96), moe(96), moe(32)], num_tokens=300,
+                                            dtype=torch.bfloat16, weight_grad_dtype=grads)
+        assert [(l.hidden, l.tokens, l.dtype, l.weight_grad_dtype) for l in searched] == [
+            (96, 300, torch.bfloat16, grads), (32, 300, torch.bfloat16, grads)]
+        assert selection.policy_for("search-test") is policy and policy.entries == []
+
+
+def test_an_entry_records_the_weight_gradients_dtype_and_entries_without_it_still_load(tmp_path):
+    path = tmp_path / "tuning.json"
+    save(path, [dataclasses.replace(_entry(), weight_grad_dtype="float32")])
+    assert json.loads(path.read_text())["entries"][0]["weight_grad_dtype"] == "float32"
+    assert load(path)[0].weight_grad_dtype == "float32"
+    data = json.loads(path.read_text())
+    del data["entries"][0]["weight_grad_dtype"]  # written before the field existed
+    path.write_text(json.dumps(data))
+    (entry,) = load(path)
+    assert entry.weight_grad_dtype == "" and lookup([entry], KEY, "forward")[0] is not None

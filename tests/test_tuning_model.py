@@ -413,3 +413,58 @@ def test_fit_samples_recovers_the_constants_that_made_the_samples_and_refit_read
     assert calibrate.main(["refit", "--constants", str(path), "--out", str(tmp_path / "again.json")]) == 0
     again = load_constants(tmp_path / "again.json")
     assert again.gemm_efficiency == fitted.gemm_efficiency and again.sustained_clock == fitted.sustained_clock
+
+
+# ---- the weight gradients' dtype ----------------------------------------------------
+
+
+def test_the_weight_gradients_run_where_their_dtype_sends_them():
+    """bf16 gradients: ``auto`` is torch._grouped_mm (the weight-gradient
+    kernel's tiles change nothing). fp32 gradients of fp32 master weights:
+    ``auto`` is the Triton kernel (its tiles matter, its fp32 stores cost
+    more bytes than bf16 ones), and an explicit ``grouped_mm`` pays for
+    widening its bf16 output to fp32 after the GEMM."""
+    t, d, h, e, k = SHAPES["qwen3"]
+    stats = RoutingStats.uniform(t, e, k, 1)
+    bf16, fp32 = (LayerShape(t, d, h, e, k, 1, 2, weight_grad_bytes=g) for g in (None, 4))
+    base = bf16.default_params()
+    slow_tiles = base.replace(wgrad_w13_num_warps=4, wgrad_w2_num_warps=4)
+
+    def wgrad(shape, point):
+        return predict(shape, stats, 1, point, H200, schedule="sequential").backward["wgrad"]
+
+    grouped = wgrad(bf16, base.replace(wgrad_backend="grouped_mm"))
+    assert wgrad(bf16, base) == wgrad(bf16, slow_tiles) == grouped
+    triton = wgrad(fp32, base.replace(wgrad_backend="triton"))
+    assert wgrad(fp32, base) == triton != wgrad(fp32, slow_tiles)
+    assert triton > wgrad(bf16, base.replace(wgrad_backend="triton"))
+    widen_bytes = 3 * e * d * h * (2 + 4)
+    widened = grouped + widen_bytes / (H200.hbm_gbps * 1e9) * 1e3 + 3 * H200.launch_us * 1e-3
+    assert wgrad(fp32, base.replace(wgrad_backend="grouped_mm")) == pytest.approx(widened, rel=1e-9)
+    with pytest.raises(ValueError, match="weight_grad_bytes"):
+        LayerShape(t, d, h, e, k, 1, 4, weight_grad_bytes=2)
+
+
+def test_the_weight_gradient_tile_choices_are_feasible_schedule_points_led_by_the_defaults():
+    """``WGRAD_CHOICES`` (the search's weight-gradient neighbours): the first is
+    every tuning shape's default, each is a schedule point (the default's
+    bits) that runs on an H200 at EP 1 and 2, and each is predicted apart
+    where the Triton kernel writes fp32 gradients."""
+    from titan_uniep.shapes import SHAPES as NAMED, TUNING_SHAPES
+    from titan_uniep.tuning.space import WGRAD_CHOICES
+
+    (names, combos), = WGRAD_CHOICES.items()
+    assert len(set(combos)) == len(combos) >= 2
+    for shape_name in TUNING_SHAPES:
+        t, d, h, e, k = NAMED[shape_name]
+        for world in (1, 2):
+            shape = LayerShape(t, d, h, e, k, world, 2, weight_grad_bytes=4)
+            base = shape.default_params()
+            assert tuple(getattr(base, n) for n in names) == combos[0], shape_name
+            stats = RoutingStats.uniform(t, e, k, world)
+            times = set()
+            for combo in combos:
+                point = base.replace(**dict(zip(names, combo)))
+                assert keeps_bits(point, base) is None and feasible(point, shape, H200) is None, (shape_name, combo)
+                times.add(predict(shape, stats, world, point, H200).backward["wgrad"])
+            assert len(times) == len(combos), shape_name

@@ -33,8 +33,8 @@ import torch
 
 from titan_uniep.config import COMPUTE_DTYPE_NAMES as COMPUTE_DTYPES
 
-__all__ = ["COMPUTE_DTYPES", "cast_to_compute", "job_compute_dtype", "layer_compute_dtype", "master_weights",
-           "resolve"]
+__all__ = ["COMPUTE_DTYPES", "cast_to_compute", "job_compute_dtype", "job_weight_grad_dtype", "layer_compute_dtype",
+           "master_weights", "resolve", "weight_grad_dtype"]
 
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -97,6 +97,25 @@ def master_weights(dtype: torch.dtype, *weights: torch.Tensor) -> tuple[tuple[to
     (``dtype`` the weights' own, or bf16 weights under FSDP mixed precision):
     ``cast_to_compute``'s weights and no masters.
     """
-    if dtype.itemsize == 2 and all(w.dtype == torch.float32 for w in weights):
+    if all(weight_grad_dtype(dtype, w.dtype) is not None for w in weights):
         return tuple(w.detach().to(dtype) for w in weights), weights
     return cast_to_compute(dtype, *weights), None
+
+
+def weight_grad_dtype(dtype: torch.dtype, weights_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the kernels write the expert weights' gradients in when they
+    compute in ``dtype`` on weights that arrive in ``weights_dtype``: fp32
+    where the weights are fp32 masters of 16-bit casts (``master_weights``),
+    else None (the data's: the casts' autograd, or no cast, delivers them)."""
+    return torch.float32 if dtype.itemsize == 2 and weights_dtype == torch.float32 else None
+
+
+def job_weight_grad_dtype(dtype: torch.dtype, *, fsdp: bool, mixed_precision_param: str) -> torch.dtype | None:
+    """``weight_grad_dtype`` of a job whose kernels compute in ``dtype``,
+    known before the first call: TorchTitan keeps its parameters in fp32 and,
+    where it applies FSDP (``fsdp``), hands the layers their
+    ``mixed_precision_param`` casts (FSDP's param dtype), else the fp32
+    parameters themselves (AMP, or no mixed precision)."""
+    if mixed_precision_param not in _DTYPE_NAMES:
+        raise ValueError(f"unknown mixed-precision dtype {mixed_precision_param!r}; one of {', '.join(_DTYPE_NAMES)}")
+    return weight_grad_dtype(dtype, _DTYPE_NAMES[mixed_precision_param] if fsdp else torch.float32)

@@ -15,12 +15,17 @@ adds in the order of its tile's layout (the interpreter cannot show that):
 - ``test_sampled_point_gives_the_default_points_fp32_weight_gradients``: the
   same in bf16 with the weight gradients in fp32 (master weights), where the
   weight-gradient kernel's tile fields reach the stored sums.
+- ``test_weight_gradient_tile_choices_give_the_default_points_fp32_weight_gradients``:
+  each of the tuner's weight-gradient tile choices (``WGRAD_CHOICES``) alone.
 - ``test_sampled_point_on_the_real_path_gives_the_default_points_bits``: the
   same on ``moe_forward`` / ``moe_backward`` of a one-rank group (the real
   path at world size 1: symmetric memory, the counts exchange).
 - ``test_tuner_refuses_to_cache_a_point_that_changes_bits``: the measured
   search with a planted pick that changes the summation order: nothing is
   cached, and the refusal names the fields and the tensors.
+- ``test_the_search_times_the_backward_with_the_layers_weight_gradient_dtype``:
+  a layer trained with fp32 master weights is timed with fp32 weight
+  gradients, the weight-gradient tiles among its backward neighbours.
 
 A failure names the seed, the point's fields and the tensors that differ.
 ``UNIEP_TUNING_SEED`` (default 0) shifts every seed to explore other points.
@@ -41,7 +46,7 @@ from titan_uniep.params import default_params
 from titan_uniep.runtime import (BackwardWorkspace, Workspace, moe_backward, moe_forward, simulated_moe_backward,
                                  simulated_moe_forward)
 from titan_uniep.tuning.hardware import default_constants
-from titan_uniep.tuning.space import FIELDS, LayerShape, keeps_bits, sample
+from titan_uniep.tuning.space import FIELDS, WGRAD_CHOICES, LayerShape, keeps_bits, sample
 
 import worlds
 
@@ -153,6 +158,24 @@ def test_sampled_point_gives_the_default_points_fp32_weight_gradients(shape_name
     assert not differ, f"seed {seed}, {schedule}, {changed_fields(point, base)}: bits differ in {differ}"
 
 
+WGRAD_CASES = [(names, combo, world) for names, combos in WGRAD_CHOICES.items() for combo in combos[1:]
+               for world in (1, 2)]
+
+
+@pytest.mark.parametrize("names,combo,world", WGRAD_CASES, ids=[f"{c}-w{w}" for _, c, w in WGRAD_CASES])
+def test_weight_gradient_tile_choices_give_the_default_points_fp32_weight_gradients(names, combo, world):
+    shape = layer_shape("d1536_h1408_e64_k6", world, torch.bfloat16, False)
+    base = default_params(world, hidden=shape.hidden)
+    assert tuple(getattr(base, n) for n in names) == next(iter(WGRAD_CHOICES.values()))[0]
+    point = base.replace(**dict(zip(names, combo)))
+    assert keeps_bits(point, base) is None
+    w = world_inputs("d1536_h1408_e64_k6", world, torch.bfloat16)
+    ref = run_simulated(w, base, False, "sequential", torch.float32)
+    got = run_simulated(w, point, False, "fused", torch.float32)
+    differ = differing(ref, got)
+    assert not differ, f"{changed_fields(point, base)}: bits differ in {differ}"
+
+
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
     """A one-rank NCCL group in this process (each xdist worker its own)."""
@@ -234,3 +257,36 @@ def test_tuner_refuses_to_cache_a_point_that_changes_bits(one_rank_group, monkey
     assert result.entry is None, "a point that changes bits was cached"
     (message,) = result.violations
     assert "dh_block_n" in message and "refused" in message and "dscores" in message, message
+
+
+def test_the_search_times_the_backward_with_the_layers_weight_gradient_dtype(one_rank_group, monkeypatch):
+    """A layer whose training writes fp32 weight gradients (fp32 master
+    weights) is timed that way, and the weight-gradient kernel's tile choices
+    are among its backward candidates; the entry records the dtype."""
+    from titan_uniep.tools import tune
+
+    layer = tune.MoELayer("fp32 grads", 512, 576, 744, 20, 4, weight_grad_dtype=torch.float32)
+    timing, timed_dtypes = [False], set()
+    real_backward, real_timing = tune.moe_backward, tune.time_alternating
+
+    def recording_backward(*args, weight_grad_dtype=None, **kwargs):
+        if timing[0]:
+            timed_dtypes.add(weight_grad_dtype)
+        return real_backward(*args, weight_grad_dtype=weight_grad_dtype, **kwargs)
+
+    def flagged_timing(*args, **kwargs):
+        timing[0] = True
+        try:
+            return real_timing(*args, **kwargs)
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(tune, "moe_backward", recording_backward)
+    monkeypatch.setattr(tune, "time_alternating", flagged_timing)
+    options = tune.SearchOptions(top=1, warmup=1, reps=2, rounds=1, confirm_rounds=1, progress=False)
+    result = tune.search_layer(one_rank_group, layer, options)
+    assert timed_dtypes == {torch.float32}
+    backward_points = [row["point"] for row in result.table["backward"]]
+    assert any("wgrad_w13_block_m" in name for name in backward_points), backward_points
+    assert not result.violations and result.entry is not None
+    assert result.entry.weight_grad_dtype == "float32"

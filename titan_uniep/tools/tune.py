@@ -1,6 +1,7 @@
 """Measured search of UniEP's kernel parameters per MoE layer shape; writes the tuning cache.
 
     python -m titan_uniep.tools.tune --shape qwen3_1gpu --shape 8192,2880,1440,64,4      # one GPU: EP 1
+    python -m titan_uniep.tools.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml  # its shapes, NGPU = 1
     torchrun --nproc_per_node 2 -m titan_uniep.tools.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml
 
 For each layer shape (``--shape``: a ``titan_uniep.shapes`` name or
@@ -41,11 +42,15 @@ context_parallel_degree``), per direction:
    (``verify_entry``), else nothing of the shape is cached and the refusal
    names the fields and the tensors that differ.
 
-Bits are compared with the weight gradients in both dtypes the backward
-writes in training (``WEIGHT_GRAD_DTYPES``): the data's, and fp32 for fp32
-master weights (TorchTitan's NGPU = 1 training), where the weight-gradient
-kernel's tile fields reach the stored sums; the backward is timed in the
-data's dtype.
+The backward is timed with its weight gradients in the dtype the training
+writes them in (``--weight-grad-dtype``; with ``--config``, fp32 where
+TorchTitan applies no FSDP, as at NGPU = 1: fp32 master weights, whose
+gradients the Triton weight-gradient kernel writes; then its tile choices,
+``tuning.space.WGRAD_CHOICES``, are backward neighbours too). Bits are
+compared with the weight gradients in both dtypes the backward writes in
+training (``WEIGHT_GRAD_DTYPES``): the data's, and fp32, where the
+weight-gradient kernel's tile fields reach the stored sums; so an entry
+serves either.
 
 A progress bar per shape counts the measurements. ``--numerics`` lets the
 candidates change summation-order fields too: they are measured and
@@ -75,8 +80,8 @@ from titan_uniep.shapes import add_shape_argument, layer_inputs
 from titan_uniep.timing import time_alternating
 from titan_uniep.tuning.cache import CacheEntry, CacheKey, default_cache_path, dtype_name, save
 
-__all__ = ["MoELayer", "SearchOptions", "build_parser", "config_layers", "main", "predictions", "routing_stats",
-           "search_layer"]
+__all__ = ["MoELayer", "SearchOptions", "build_parser", "config_layers", "main", "predictions", "requested_layers",
+           "routing_stats", "search_layer"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Which stages of tuning.space.FIELDS each direction's kernels read.
@@ -98,6 +103,10 @@ class MoELayer:
     top_k: int
     score_before_experts: bool = False
     dtype: torch.dtype = torch.bfloat16
+    weight_grad_dtype: torch.dtype | None = None
+    """The weight gradients' dtype the training writes, which the backward
+    is timed in: None for the data's, fp32 for fp32 master weights
+    (``compute_dtype.weight_grad_dtype``)."""
 
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
@@ -139,9 +148,11 @@ class SearchResult:
 def layer_shape(layer: MoELayer, ep_size: int):
     from titan_uniep.tuning.space import LayerShape
 
+    grad_dtype = layer.weight_grad_dtype
     return LayerShape(tokens=layer.tokens, dim=layer.dim, hidden=layer.hidden, num_experts=layer.num_experts,
-                      top_k=layer.top_k, ep_size=ep_size, dtype_bytes=torch.empty((), dtype=layer.dtype).element_size(),
-                      score_before_experts=layer.score_before_experts)
+                      top_k=layer.top_k, ep_size=ep_size, dtype_bytes=layer.dtype.itemsize,
+                      score_before_experts=layer.score_before_experts,
+                      weight_grad_bytes=None if grad_dtype in (None, layer.dtype) else grad_dtype.itemsize)
 
 
 def routing_stats(indices: torch.Tensor, num_experts: int, group: dist.ProcessGroup):
@@ -289,22 +300,30 @@ def candidates(layer: MoELayer, stats, world: int, direction: str, options: Sear
 NEIGHBOUR_STAGES = {"forward": ("fc1", "fc2"), "backward": ("dh", "da")}
 
 
-def neighbour_axes(direction: str) -> dict[tuple[str, ...], tuple[tuple, ...]]:
-    """The ``GRID_STAGES`` entries (field names -> tile choices) of ``direction``'s GEMM stages."""
-    from titan_uniep.tuning.space import GRID_STAGES
+def neighbour_axes(direction: str, shape=None) -> dict[tuple[str, ...], tuple[tuple, ...]]:
+    """The ``GRID_STAGES`` entries (field names -> tile choices) of
+    ``direction``'s GEMM stages; for the backward of a ``shape`` whose
+    weight gradients run on the Triton kernel (fp32 gradients), also its
+    tile choices (``tuning.space.WGRAD_CHOICES``)."""
+    from titan_uniep.tuning.space import GRID_STAGES, WGRAD_CHOICES
 
-    return {names: combos for names, combos in GRID_STAGES.items()
+    axes = {names: combos for names, combos in GRID_STAGES.items()
             if names[0].split("_")[0] in NEIGHBOUR_STAGES[direction]}
+    if direction == "backward" and shape is not None and not shape.grouped_mm_weight_grads("auto"):
+        axes.update(WGRAD_CHOICES)
+    return axes
 
 
 def stage_neighbours(point: LayerParams, shape, direction: str) -> list[LayerParams]:
     """``point`` with the tile choice of one GEMM stage of ``direction``
-    replaced by each other choice of the grid (``GRID_STAGES``), one stage
-    at a time; choices that repeat another point on ``shape`` are left out."""
+    replaced by each other choice of ``neighbour_axes`` (the grid's
+    ``GRID_STAGES``, and the weight-gradient kernel's where it runs), one
+    stage at a time; choices that repeat another point on ``shape`` are
+    left out."""
     from titan_uniep.tuning.space import repeats_another
 
     out = []
-    for names, combos in neighbour_axes(direction).items():
+    for names, combos in neighbour_axes(direction, shape).items():
         for combo in combos:
             changes = dict(zip(names, combo))
             if all(getattr(point, k) == v for k, v in changes.items()):
@@ -318,8 +337,8 @@ def stage_neighbours(point: LayerParams, shape, direction: str) -> list[LayerPar
     return out
 
 
-def combined_choices(best: LayerParams, measured: dict[LayerParams, float | None], direction: str
-                     ) -> LayerParams:
+def combined_choices(best: LayerParams, measured: dict[LayerParams, float | None], direction: str,
+                     shape=None) -> LayerParams:
     """``best`` (the model's best point) with, for each GEMM stage of
     ``direction``, the tile choice of the fastest measured point that
     differs from ``best`` only in that stage's choice, where it beat ``best``
@@ -328,7 +347,7 @@ def combined_choices(best: LayerParams, measured: dict[LayerParams, float | None
     if base_ms is None:
         return best
     adopted = {}
-    for names in neighbour_axes(direction):
+    for names in neighbour_axes(direction, shape):
         own = {k: getattr(best, k) for k in names}
         fastest, fastest_ms = None, base_ms
         for point, ms in measured.items():
@@ -361,7 +380,7 @@ def confirmation_set(times: dict[str, float | None], points: dict[str, LayerPara
     final = list(dict.fromkeys(["default", *sorted(measured, key=lambda n: times[n])[:1]]))
     new = {}
     if options.neighbours:
-        combined = combined_choices(best, {p: times.get(n) for n, p in points.items()}, direction)
+        combined = combined_choices(best, {p: times.get(n) for n, p in points.items()}, direction, shape)
         combined = project(combined, default, direction, options.numerics) if combined != best else None
         if combined is not None and feasible(combined, shape, hw) is None:
             name = label(combined, default)
@@ -498,7 +517,7 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
         return moe_forward(x, scores, indices, *weights, workspace=workspace(point, "forward"),
                            schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13)
 
-    def backward(point, weight_grad_dtype=None):
+    def backward(point, weight_grad_dtype=layer.weight_grad_dtype):
         return moe_backward(grad, x, scores, indices, *weights, workspace=workspace(point, "backward"),
                             schedule=options.schedule, score_before_experts=sb, params=point, saved_h13=h13,
                             weight_grad_dtype=weight_grad_dtype)
@@ -587,6 +606,7 @@ def search_layer(group: dist.ProcessGroup, layer: MoELayer, options: SearchOptio
         predicted_ms={d: {"default": rows[d]["default"]["predicted_ms"], "tuned": rows[d][picks[d]]["predicted_ms"]}
                       for d in rows},
         tokens=layer.tokens, schedule=options.schedule, candidates=sum(len(c) for c in cands.values()),
+        weight_grad_dtype=dtype_name(layer.weight_grad_dtype or layer.dtype),
     )
     return result
 
@@ -624,16 +644,20 @@ def _progress(total: int, name: str, show: bool):
 # ---- shapes of a train config -----------------------------------------------------------
 
 
-def config_layers(path: str) -> tuple[list[MoELayer], int]:
+def config_layers(path: str, world: int = 1) -> tuple[list[MoELayer], int]:
     """Every distinct MoE layer shape of the train config at ``path``, at its
-    tokens per rank and the dtype its kernels compute in
-    (``compute_dtype.job_compute_dtype``), and its EP degree. Builds the model on the
-    meta device (no memory), as the trainer does."""
+    tokens per rank, the dtype its kernels compute in
+    (``compute_dtype.job_compute_dtype``) and the dtype its weight gradients
+    are written in when it trains on ``world`` GPUs
+    (``compute_dtype.job_weight_grad_dtype``: fp32 where TorchTitan applies no
+    FSDP and the kernels compute in 16 bits), and its EP degree. Builds the
+    model on the meta device (no memory), as the trainer does."""
     from torchtitan.config import ConfigManager
+    from torchtitan.distributed import ParallelDims
     from torchtitan.models.moe.moe import MoE
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from titan_uniep.compute_dtype import job_compute_dtype
+    from titan_uniep.compute_dtype import job_compute_dtype, job_weight_grad_dtype
     from titan_uniep.torchtitan import edge_module
 
     if edge_module() != "titan_uniep.torchtitan.v0_2":
@@ -648,13 +672,22 @@ def config_layers(path: str) -> tuple[list[MoELayer], int]:
     with torch.device("meta"):
         model = spec.model_cls(args)
     tokens = job.training.local_batch_size * job.training.seq_len // max(1, job.parallelism.context_parallel_degree)
+    par = job.parallelism
+    try:
+        fsdp = ParallelDims(dp_shard=par.data_parallel_shard_degree, dp_replicate=par.data_parallel_replicate_degree,
+                            cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+                            pp=par.pipeline_parallel_degree, ep=par.expert_parallel_degree,
+                            etp=par.expert_tensor_parallel_degree, world_size=world).fsdp_enabled
+    except (AssertionError, ValueError) as err:
+        raise ValueError(f"--config {path}: its parallelism does not fit {world} GPU(s) ({err})") from None
     shapes = {}
     for fqn, moe in ((fqn, m) for fqn, m in model.named_modules() if isinstance(m, MoE)):
         num_experts, hidden, dim = moe.experts.w1.shape
+        dtype = job_compute_dtype(job.uniep.compute_dtype, framework_casts_to_bf16=moe.experts.use_grouped_mm,
+                                  activation_dtype=job.training.mixed_precision_param)
         layer = MoELayer(f"{job.model.flavor}:{fqn}", tokens, dim, hidden, num_experts, moe.router.top_k,
-                         moe.score_before_experts,
-                         job_compute_dtype(job.uniep.compute_dtype, framework_casts_to_bf16=moe.experts.use_grouped_mm,
-                                           activation_dtype=job.training.mixed_precision_param))
+                         moe.score_before_experts, dtype,
+                         job_weight_grad_dtype(dtype, fsdp=fsdp, mixed_precision_param=job.training.mixed_precision_param))
         shapes.setdefault(dataclasses.replace(layer, name=""), layer)
     if not shapes:
         raise ValueError(f"--config {path}: model {job.model.name!r} flavor {job.model.flavor!r} has no MoE layers")
@@ -678,8 +711,10 @@ def init_group() -> tuple[dist.ProcessGroup, torch.device]:
 
 
 def print_result(res: SearchResult) -> None:
+    grads = res.layer.weight_grad_dtype
     print(f"== {res.layer.name}: T={res.layer.tokens} D={res.layer.dim} H={res.layer.hidden} "
-          f"E={res.layer.num_experts} K={res.layer.top_k} {dtype_name(res.layer.dtype)}", flush=True)
+          f"E={res.layer.num_experts} K={res.layer.top_k} {dtype_name(res.layer.dtype)}"
+          f"{f', weight gradients in {dtype_name(grads)}' if grads not in (None, res.layer.dtype) else ''}", flush=True)
     for direction, rows in res.table.items():
         print(f"| {direction} point | measured ms | model ms | |\n|---|---|---|---|")
         for row in sorted(rows, key=lambda r: float("inf") if r["measured_ms"] is None else r["measured_ms"]):
@@ -699,6 +734,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="tune every MoE shape of this train config (TOML)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="with --shape (default bf16)")
     parser.add_argument("--score-before", action="store_true", help="with --shape: scores multiply the inputs")
+    parser.add_argument("--weight-grad-dtype", choices=("auto", "data", "float32"), default="auto",
+                        help="the weight gradients' dtype the backward is timed in: the data's, or float32 (fp32 "
+                             "master weights: TorchTitan without FSDP, e.g. NGPU=1); auto: with --config the "
+                             "config's at this launch's GPU count, with --shape the data's")
     parser.add_argument("--top", type=int, default=SearchOptions.top, help="model candidates per direction")
     parser.add_argument("--numerics", action="store_true",
                         help="also try fields that change the summation order (measured and reported, never cached "
@@ -721,6 +760,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def requested_layers(parser: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> list[MoELayer]:
+    """The layers the command line asks for on ``world`` ranks (``--config``
+    or ``--shape``, with ``--dtype``, ``--score-before`` and ``--weight-grad-dtype``)."""
+    if args.config:
+        layers, ep_degree = config_layers(args.config, world)
+        if ep_degree != world:
+            parser.error(f"--config {args.config} sets parallelism.expert_parallel_degree = {ep_degree}, but this "
+                         f"run has {world} process(es): run torchrun --nproc_per_node {ep_degree} -m titan_uniep.tools.tune "
+                         "--config ...")
+    else:
+        dtype = DTYPES[args.dtype or "bf16"]
+        layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in args.shapes]
+    if args.weight_grad_dtype != "auto":
+        grads = torch.float32 if args.weight_grad_dtype == "float32" else None
+        layers = [dataclasses.replace(layer, weight_grad_dtype=grads) for layer in layers]
+    return layers
+
+
 def main(argv=None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -730,15 +787,7 @@ def main(argv=None) -> None:
         parser.error("--top >= 0, --rounds >= 1, --confirm-rounds >= 1, --reps >= 1 and 0 <= --min-gain < 1")
     group, dev = init_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if args.config:
-        layers, ep_degree = config_layers(args.config)
-        if ep_degree != world:
-            parser.error(f"--config {args.config} sets parallelism.expert_parallel_degree = {ep_degree}, but this "
-                         f"run has {world} process(es): run torchrun --nproc_per_node {ep_degree} -m titan_uniep.tools.tune "
-                         "--config ...")
-    else:
-        dtype = DTYPES[args.dtype or "bf16"]
-        layers = [MoELayer(name, *dims, args.score_before, dtype) for name, dims in args.shapes]
+    layers = requested_layers(parser, args, world)
     options = SearchOptions(top=args.top, numerics=args.numerics, warmup=args.warmup, reps=args.reps,
                             rounds=args.rounds, confirm_rounds=args.confirm_rounds, min_gain=args.min_gain,
                             neighbours=not args.no_neighbours, schedule=args.schedule, constants=args.constants,
@@ -759,6 +808,7 @@ def main(argv=None) -> None:
             if args.json_out:
                 with open(args.json_out, "a") as f:
                     f.write(json.dumps({"shape": layer.name, "dims": layer.dims, "world": world, "seconds": seconds,
+                                        "weight_grad_dtype": dtype_name(layer.weight_grad_dtype or layer.dtype),
                                         "table": res.table, "problems": res.problems,
                                         "violations": res.violations,
                                         "entry": res.entry and res.entry.to_json()}) + "\n")

@@ -20,7 +20,8 @@ indented, one entry per tuned layer, meant to be read and diffed by people::
                           "backward": {"default": 4.20, "tuned": 4.20}},
           "predicted_ms": {"forward": {"default": 1.85, "tuned": 1.70},
                            "backward": {"default": 4.1, "tuned": 4.1}},
-          "tokens": 16384, "schedule": "fused", "candidates": 6, "date": "2026-12-01"
+          "tokens": 16384, "schedule": "fused", "candidates": 6, "weight_grad_dtype": "float32",
+          "date": "2026-12-01"
         }
       ]
     }
@@ -38,7 +39,11 @@ default (``params.default_params(ep_size, hidden=H)``) for the forward and the
 backward workspace; ``{}`` means the default measured fastest. The other
 fields record what the tuner saw (median ms of the default and the tuned
 point, the model's prediction of both, the token count measured, the
-schedule, how many candidates were measured, the date).
+schedule, how many candidates were measured, the weight gradients' dtype
+the backward was timed in, the date). That dtype is not part of the key:
+an entry gives the default's bits with the weight gradients in either
+dtype (the tuner checks both), and its weight-gradient tiles are read only
+where the Triton kernel writes them (fp32 gradients).
 
 Every entry gives the default point's bits (the tuner refuses to write one
 that does not). ``lookup`` applies an entry only if every key field
@@ -168,6 +173,7 @@ class CacheEntry:
     tokens: int = 0
     schedule: str = "fused"
     candidates: int = 0
+    weight_grad_dtype: str = ""
     date: str = dataclasses.field(default_factory=lambda: str(date.today()))
 
     def to_json(self) -> dict:

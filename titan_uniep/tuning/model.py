@@ -22,7 +22,9 @@ exchange's barrier, a release that waits for remote stores). Stages:
   ``swiglu`` (from G and the saved h1 | h3), ``gather`` (slot rows, when
   the dH tasks do not copy them), ``da``, ``reduce``, ``wgrad``
   (torch._grouped_mm: each expert at the efficiency of its rows,
-  ``HardwareConstants.grouped_mm_efficiency_by_rows``).
+  ``HardwareConstants.grouped_mm_efficiency_by_rows``, its output widened
+  where the gradients are fp32; or the Triton kernel at its tiles' efficiency,
+  writing the gradients' dtype: ``LayerShape.weight_grad_bytes``).
 
 The fused schedule overlaps stages inside a launch: dispatch with fc1 (or
 dH) as far as the programs that do not dispatch find tiles whose rows have
@@ -497,12 +499,16 @@ def _model(shape: LayerShape, stats: RoutingStats, ep_size: int, points: Sequenc
     bwd["reduce"] = ((breduce_read + t_max * d * b) / reduce_rate + reduce_tasks / grid * hw.release_us * us
                      + launch)
     bounds["backward.reduce"] = "program copy rate / HBM"
+    gb = shape.grad_bytes
     wgrad_flops = 3 * 2 * rows_rank.max() * d * h
-    wgrad_bytes = 3 * el * d * h * b + rows_rank.max() * (2 * d + 3 * h) * b
-    grouped = c["wgrad_backend"] != "triton"
+    wgrad_bytes = 3 * el * d * h * gb + rows_rank.max() * (2 * d + 3 * h) * b
+    backend = c["wgrad_backend"]
+    grouped = (backend == "grouped_mm") | ((backend == "auto") & shape.grouped_mm_weight_grads("auto"))
     expert_rows = stats.expert_rows.reshape(w, el)
     grouped_eff = _grouped_mm_rank_efficiency(hw, expert_rows)
     t_grouped = slowest(grouped_mm_wgrad_time(hw, expert_rows, d, h, b, rows_rank, clock=clock_b[:, None]))
+    if gb != b:  # torch._grouped_mm writes the data's dtype: its gradients are widened after it
+        t_grouped = t_grouped + 3 * el * d * h * (b + gb) / hbm + 3 * launch
     w13 = _efficiency(hw, "wgrad_w13", c["wgrad_w13_block_m"], c["wgrad_w13_block_n"] * 2, c["wgrad_w13_block_k"],
                       c["wgrad_w13_num_warps"], c["wgrad_w13_num_stages"], 1)
     w2 = _efficiency(hw, "wgrad_w2", c["wgrad_w2_block_m"], c["wgrad_w2_block_n"], c["wgrad_w2_block_k"],

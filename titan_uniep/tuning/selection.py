@@ -96,12 +96,14 @@ class TuningPolicy:
 
 
 def configure_tuning(group: dist.ProcessGroup, mode: str, cache_path: str, *, moe_modules=(), num_tokens: int = 0,
-                     dtype: torch.dtype = torch.bfloat16) -> TuningPolicy:
+                     dtype: torch.dtype = torch.bfloat16, weight_grad_dtype: torch.dtype | None = None
+                     ) -> TuningPolicy:
     """Start-up (every rank of ``group``): read the cache, run the measured
     search of every distinct MoE shape of ``moe_modules`` (TorchTitan ``MoE``
     blocks: ``experts.w1`` ``(E, H, D)``, ``router.top_k``) at ``num_tokens``
-    tokens per rank and ``dtype`` for ``mode = "search"``, and register the
-    policy for ``group``'s workspaces."""
+    tokens per rank, ``dtype`` and the weight gradients in
+    ``weight_grad_dtype`` (None: ``dtype``) for ``mode = "search"``, and
+    register the policy for ``group``'s workspaces."""
     policy = TuningPolicy.from_config(mode, cache_path)
     if mode == "search":
         from titan_uniep.tools.tune import MoELayer, SearchOptions, search_layer
@@ -110,7 +112,8 @@ def configure_tuning(group: dist.ProcessGroup, mode: str, cache_path: str, *, mo
         for moe in moe_modules:
             num_experts, hidden, dim = moe.experts.w1.shape
             layer = MoELayer(f"T{num_tokens} D{dim} H{hidden} E{num_experts} K{moe.router.top_k}", num_tokens, dim,
-                             hidden, num_experts, moe.router.top_k, moe.score_before_experts, dtype)
+                             hidden, num_experts, moe.router.top_k, moe.score_before_experts, dtype,
+                             weight_grad_dtype)
             layers.setdefault(layer.name, layer)
         results = [search_layer(group, layer, SearchOptions()) for layer in layers.values()]
         broken = [v for res in results for v in res.violations]

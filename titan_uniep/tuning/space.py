@@ -84,7 +84,9 @@ class LayerShape:
     K, EP size ``ep_size`` W, ``dtype_bytes`` per activation element (2 for
     bf16 / fp16, 4 for fp32), ``score_before_experts`` (the router score
     scales the expert input: fc1 then runs its two-product tile whatever
-    ``fc1_one_dot`` says)."""
+    ``fc1_one_dot`` says), ``weight_grad_bytes`` per element of the weight
+    gradients the backward writes (None: the data's; 4 for the fp32 master
+    weights of 16-bit data, ``compute_dtype.weight_grad_dtype``)."""
 
     tokens: int
     dim: int
@@ -94,6 +96,7 @@ class LayerShape:
     ep_size: int
     dtype_bytes: int = 2
     score_before_experts: bool = False
+    weight_grad_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden", "num_experts", "top_k", "ep_size"):
@@ -106,6 +109,23 @@ class LayerShape:
                              f"({self.ep_size})")
         if self.dtype_bytes not in (2, 4):
             raise ValueError(f"LayerShape.dtype_bytes must be 2 or 4, got {self.dtype_bytes}")
+        if self.weight_grad_bytes not in (None, 2, 4) or (self.weight_grad_bytes or 4) < self.dtype_bytes:
+            raise ValueError(f"LayerShape.weight_grad_bytes must be None, or 2 or 4 and at least dtype_bytes "
+                             f"({self.dtype_bytes}), got {self.weight_grad_bytes}")
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the weight gradients the backward writes."""
+        return self.weight_grad_bytes or self.dtype_bytes
+
+    def grouped_mm_weight_grads(self, backend: str) -> bool:
+        """Whether the weight gradients run on ``torch._grouped_mm`` for
+        ``LayerParams.wgrad_backend = backend`` (``runtime.backward.wgrad_backend``
+        on a GPU that runs it): ``"auto"`` takes it for 16-bit data whose
+        gradients are the data's dtype, the Triton kernel for fp32 gradients."""
+        if backend == "auto":
+            return self.dtype_bytes == 2 and self.grad_bytes == self.dtype_bytes
+        return backend == "grouped_mm"
 
     @property
     def local_experts(self) -> int:
@@ -445,6 +465,16 @@ GRID_STAGES: dict[tuple[str, ...], tuple[tuple, ...]] = {
         (128, 8, 3, 1, True), (128, 8, 3, 1, False), (128, 4, 3, 2, True), (128, 4, 3, 2, False),
         (64, 4, 3, 2, True)),
     ("reduce_block_tokens", "reduce_block_dim"): ((16, 512), (32, 512), (32, 256), (64, 256)),
+}
+# The weight-gradient kernel's tile choices (w13, then w2; K steps kept: a
+# numerics field), the first the defaults'. Not a grid axis: the wgrad stage
+# adds to the others' times, so the grid would repeat every point per
+# choice. The measured search tries them as neighbours where the Triton
+# kernel runs (``LayerShape.grouped_mm_weight_grads``: fp32 gradients).
+WGRAD_CHOICES: dict[tuple[str, ...], tuple[tuple, ...]] = {
+    ("wgrad_w13_block_m", "wgrad_w13_block_n", "wgrad_w13_num_stages", "wgrad_w2_block_m", "wgrad_w2_block_n",
+     "wgrad_w2_num_stages"): (
+        (128, 128, 4, 128, 256, 3), (64, 256, 4, 128, 256, 4), (128, 128, 3, 128, 128, 4)),
 }
 # With opt-in numerics: joint choices of the K steps of fc1, fc2, dA and the
 # dH tile width (the first is the defaults').

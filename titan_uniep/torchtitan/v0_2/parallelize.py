@@ -32,7 +32,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torchtitan.models.moe.moe import GroupedExperts, MoE
 
-from titan_uniep.compute_dtype import job_compute_dtype, resolve
+from titan_uniep.compute_dtype import job_compute_dtype, job_weight_grad_dtype, resolve
 from titan_uniep.config import UniEP
 from titan_uniep.schedules import available_schedules
 from titan_uniep.testing import UniEPTestHooks
@@ -291,8 +291,11 @@ def wrap_parallelize_fn(base_parallelize_fn: Callable[..., nn.Module]) -> Callab
             if cfg.tuning != "off":
                 from titan_uniep.tuning.selection import configure_tuning
 
+                grads = job_weight_grad_dtype(dtype, fsdp=parallel_dims.fsdp_enabled,
+                                              mixed_precision_param=job_config.training.mixed_precision_param)
                 configure_tuning(swapped[0][1].experts.ep_group, cfg.tuning, cfg.tuning_cache,
-                                 moe_modules=[moe for _, moe in swapped], num_tokens=tokens, dtype=dtype)
+                                 moe_modules=[moe for _, moe in swapped], num_tokens=tokens, dtype=dtype,
+                                 weight_grad_dtype=grads)
         model.uniep_steps = _install_step_counter(model, swapped, parallel_dims, job_config)
         model.uniep_guard = _install_guard(model, swapped, cfg, model.uniep_steps)
         logger.info("UniEP: %d MoE layers on schedule %r (EP degree %d), expert GEMMs in %s", len(swapped),
