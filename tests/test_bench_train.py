@@ -54,6 +54,19 @@ def test_run_medians_leave_out_the_warmup_steps_and_memory_takes_their_largest_p
     assert (stats["first_step"], stats["last_step"], stats["measured_steps"]) == (3, 7, 5)
 
 
+def test_the_peak_memory_adds_the_symmetric_memory_the_reserved_figure_leaves_out():
+    gib = 2**30
+    records = [step(1, 10.0, mem_reserved_peak_gib=9.0, mem_symmetric=0)]  # warm-up
+    records += [step(n, 100.0, mem_reserved_peak_gib=mem, mem_symmetric=sym)
+                for n, mem, sym in ((2, 4.0, gib // 2), (3, 3.0, 2 * gib), (4, 3.5, gib))]
+    stats = run_stats(records, warmup=1)
+    assert stats["mem_reserved_peak_gib"] == 4.0
+    assert stats["mem_peak_gib"] == 5.0  # step 3: 3.0 reserved + 2.0 symmetric
+    # A run without UniEP's kernels, or without a GPU, records no symmetric memory: the reserved peak alone.
+    plain = run_stats([step(n, 100.0, mem_reserved_peak_gib=2.0 + n) for n in (1, 2, 3)], warmup=1)
+    assert plain["mem_peak_gib"] == plain["mem_reserved_peak_gib"] == 5.0
+
+
 def test_with_sparse_logging_only_windows_wholly_after_the_warmup_count():
     # metrics.log_freq = 10 (TorchTitan's default): step 10's figures cover steps 2-10, warm-up included.
     records = [step(1, 5.0), step(10, 50.0)] + [step(n, 100.0 + n) for n in (20, 30, 40)]
@@ -67,6 +80,7 @@ def test_fields_a_cpu_run_does_not_report_are_none():
     records = [{k: v for k, v in step(n, 100.0 + n).items() if k != "mfu_pct"} for n in range(1, 4)]
     stats = run_stats(records, warmup=1)
     assert stats["mfu_pct"] is None and stats["mem_reserved_peak_gib"] is None and stats["mem_active_peak_gib"] is None
+    assert stats["mem_peak_gib"] is None
     assert stats["tps"] == 102.5
 
 

@@ -56,6 +56,8 @@ is rounded to bf16.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import triton.language as tl
@@ -75,7 +77,9 @@ from titan_uniep.runtime import (
 from titan_uniep.tuning.selection import select_params
 
 __all__ = ["end_step", "moe_experts", "moe_experts_backward", "raise_pending_errors", "reserve_tokens",
-           "workspace_for"]
+           "symmetric_memory_bytes", "workspace_for"]
+
+logger = logging.getLogger(__name__)
 
 _workspaces: dict[tuple, Workspace | BackwardWorkspace] = {}
 _reserved_tokens: dict[str, int] = {}
@@ -86,6 +90,14 @@ def reserve_tokens(group: dist.ProcessGroup, num_tokens: int) -> None:
     (call it on every rank before the first MoE forward)."""
     name = group.group_name
     _reserved_tokens[name] = max(_reserved_tokens.get(name, 0), num_tokens)
+
+
+def symmetric_memory_bytes() -> int:
+    """Bytes of symmetric memory this process holds for the op's workspaces
+    (``Workspace.symmetric_bytes``): outside PyTorch's caching allocator, so
+    not in TorchTitan's memory figure; ``loss.jsonl`` records it beside
+    that figure (``titan_uniep.torchtitan.loss_file``)."""
+    return sum(ws.symmetric_bytes for ws in _workspaces.values())
 
 
 def raise_pending_errors() -> None:
@@ -164,6 +176,10 @@ def workspace_for(
             params = select_params(group, **sizes, score_before_experts=score_before_experts, device=x.device,
                                    backward=backward)
             ws = kind.for_group(group, device=x.device, params=params, **sizes)
+            logger.info("UniEP %s workspace (%d tokens per rank, D %d, H %d, E %d, K %d): %.1f MiB, of which %.1f "
+                        "MiB symmetric memory (outside PyTorch's caching allocator and TorchTitan's memory figure)",
+                        "backward" if backward else "forward", capacity, x.shape[1], w1.shape[1], num_experts,
+                        top_k, ws.memory_bytes()["total"] / 2**20, ws.symmetric_bytes / 2**20)
         else:
             ws = _interpreted_workspace(kind, group, x.device, sizes)
         _workspaces[key] = ws

@@ -349,6 +349,15 @@ class Workspace:
         """Bytes per rank by buffer (``memory_bytes(self.shape)``)."""
         return memory_bytes(self.shape)
 
+    @property
+    def symmetric_bytes(self) -> int:
+        """Bytes this process holds in symmetric memory: the arena of a real
+        EP workspace (0 simulated). PyTorch's symmetric-memory allocator maps
+        them itself, outside its caching allocator, so
+        ``torch.cuda.memory_reserved`` and TorchTitan's memory figure leave
+        them out."""
+        return self.arena.numel() if self.handle is not None else 0
+
     def arena_view(self, local: int, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """This process's view of one arena buffer of local rank ``local`` (tests, poisoning)."""
         arena = self.arena if not self.is_simulated else self.arena[local]
@@ -613,6 +622,11 @@ class BackwardWorkspace:
         sizes["g32"] = self.g32[0].numel() * 4
         sizes["total"] += 2 * sizes["h"] + sizes["ds_parts"] + sizes["slot_rows"] + sizes["g32"]
         return sizes
+
+    @property
+    def symmetric_bytes(self) -> int:
+        """See ``Workspace.symmetric_bytes``."""
+        return self.inner.symmetric_bytes
 
     def ensure_capacity(self, num_tokens: int) -> bool:
         """Grow for ``num_tokens`` tokens per rank (collective in real EP; a

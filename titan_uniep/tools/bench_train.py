@@ -85,8 +85,13 @@ the bundled qwen3 pair, with start-up and compilation, takes minutes."""
 
 MEDIAN_FIELDS = ("tps", "step_time", "mfu_pct", "tflops")
 """loss.jsonl fields summarised by their median over the steps after warm-up."""
-PEAK_FIELDS = ("mem_reserved_peak_gib", "mem_active_peak_gib")
-"""loss.jsonl fields summarised by their largest value over those steps."""
+PEAK_FIELDS = ("mem_peak_gib", "mem_reserved_peak_gib", "mem_active_peak_gib")
+"""Figures summarised by their largest value over those steps: loss.jsonl's
+reserved and active peaks, and ``mem_peak_gib``, the reserved peak plus the
+symmetric memory UniEP's workspaces hold (``mem_symmetric``: PyTorch maps it
+outside its caching allocator, so TorchTitan's figure leaves it out; none in
+a baseline run, nor without a GPU). The table's peak memory is
+``mem_peak_gib``."""
 
 _OWNED_OVERRIDES = {
     "training.steps": "--steps",
@@ -376,6 +381,8 @@ def run_stats(records: list[dict], warmup: int, source: str = "loss.jsonl") -> d
         raise ValueError(f"{source}: steps {lacking} have no 'tps': it was written by a titan_uniep.torchtitan.train that "
                          "did not record TorchTitan's step metrics; train with this checkout's run_train.sh")
     stats = {"first_step": measured[0]["step"], "last_step": measured[-1]["step"], "measured_steps": len(measured)}
+    measured = [{**r, "mem_peak_gib": r["mem_reserved_peak_gib"] + r.get("mem_symmetric", 0) / 2**30}
+                if r.get("mem_reserved_peak_gib") is not None else r for r in measured]
     for name in MEDIAN_FIELDS:
         values = [r[name] for r in measured if r.get(name) is not None]
         stats[name] = statistics.median(values) if values else None
@@ -409,6 +416,10 @@ def loss_difference(reference: Path, run: Path) -> dict:
     result = compare(load_run(reference), load_run(run))
     return {"loss_max_rel_diff": result.max_rel, "loss_mean_rel_diff": result.mean_rel,
             "loss_common_steps": len(result.steps), "loss_bitwise": result.bitwise}
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _largest(values: list[float]) -> float | None:
@@ -495,15 +506,17 @@ def markdown(report: Report) -> str:
         f"compile {str(meta['compile']).lower()}, AC mode {meta['ac_mode'] or 'as configured'}"
         + (f", overrides `{' '.join(meta['overrides'])}`" if meta["overrides"] else "") + ".",
         "",
-        "| run | tok/s per device | step time (ms) | peak memory (GiB) | MFU (%) | TFLOP/s "
+        "| run | tok/s per device | step time (ms) | peak memory (GiB) | symmetric (GiB) | MFU (%) | TFLOP/s "
         "| loss max rel diff | loss mean rel diff | wall (s) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run in report.runs:
         reference = run["loss_max_rel_diff"] is None
         lines.append(
             f"| {run['side']} {run['run']} | {_fmt(run['tps'], ',.0f')} | {_fmt(_ms(run['step_time']), ',.1f')} "
-            f"| {_fmt(run['mem_reserved_peak_gib'], '.2f')} | {_fmt(run['mfu_pct'], '.2f')} "
+            f"| {_fmt(run['mem_peak_gib'], '.2f')} "
+            f"| {_fmt(_difference(run['mem_peak_gib'], run['mem_reserved_peak_gib']), '.2f')} "
+            f"| {_fmt(run['mfu_pct'], '.2f')} "
             f"| {_fmt(run['tflops'], ',.2f')} | {'reference' if reference else _fmt(run['loss_max_rel_diff'], '.2e')} "
             f"| {'' if reference else _fmt(run['loss_mean_rel_diff'], '.2e')} | {_fmt(run['wall_s'], ',.0f')} |"
         )
@@ -512,14 +525,14 @@ def markdown(report: Report) -> str:
         lines.append(
             f"| **{side}** (median of {s['runs']}) | **{_fmt(s['tps'], ',.0f')}** "
             f"({_fmt(s['tps_min'], ',.0f')}-{_fmt(s['tps_max'], ',.0f')}) | {_fmt(_ms(s['step_time']), ',.1f')} "
-            f"| {_fmt(s['mem_reserved_peak_gib'], '.2f')} | {_fmt(s['mfu_pct'], '.2f')} | {_fmt(s['tflops'], ',.2f')} "
+            f"| {_fmt(s['mem_peak_gib'], '.2f')} | | {_fmt(s['mfu_pct'], '.2f')} | {_fmt(s['tflops'], ',.2f')} "
             f"| {_fmt(s['loss_max_rel_diff'], '.2e')} | {_fmt(s['loss_mean_rel_diff'], '.2e')} | |"
         )
     base, uniep = summaries["baseline"], summaries["uniep"]
     lines.append(
         f"| **uniep / baseline** | **{_times(uniep['tps_ratio'])}** ({_times(uniep['tps_ratio_min'])}-"
         f"{_times(uniep['tps_ratio_max'])}) | {_ratio(uniep['step_time'], base['step_time'])} "
-        f"| {_ratio(uniep['mem_reserved_peak_gib'], base['mem_reserved_peak_gib'])} "
+        f"| {_ratio(uniep['mem_peak_gib'], base['mem_peak_gib'])} | "
         f"| {_ratio(uniep['mfu_pct'], base['mfu_pct'])} | {_ratio(uniep['tflops'], base['tflops'])} | | | |"
     )
     lines += [
@@ -527,7 +540,9 @@ def markdown(report: Report) -> str:
         f"Per run: medians over {step_range(warmup + 1, steps)} "
         f"({'no warm-up' if not warmup else 'warm-up: ' + step_range(1, warmup)}), as TorchTitan "
         "computes them for its step log line on rank 0: tokens/s per device (`tps`), step time, MFU, TFLOP/s; "
-        "peak memory is the largest per-step peak of reserved memory over those steps. Per side: the median of "
+        "peak memory is the largest per-step peak of reserved memory over those steps plus the symmetric memory "
+        "UniEP's workspaces hold (its own column: PyTorch maps it outside its caching allocator, so TorchTitan's "
+        "memory figure leaves it out). Per side: the median of "
         "the runs' figures (tokens/s with the runs' min-max). The ratio's range is min(uniep) / max(baseline) to "
         "max(uniep) / min(baseline). Loss: relative difference to baseline run 1 over every common step "
         "(`titan_uniep.tools.compare_loss`); the other baseline runs show how far the baseline differs from itself "
@@ -544,7 +559,7 @@ def markdown(report: Report) -> str:
 
 def progress_line(run: dict, total: int) -> str:
     """``[3/4] uniep run 2: 40 logged steps, 74,312 tok/s/device (median of steps 6-40), 42.1 GiB peak, 58 s``."""
-    memory = "" if run["mem_reserved_peak_gib"] is None else f", {run['mem_reserved_peak_gib']:.1f} GiB peak"
+    memory = "" if run["mem_peak_gib"] is None else f", {run['mem_peak_gib']:.1f} GiB peak"
     return (f"[{run['order']}/{total}] {run['side']} run {run['run']}: {run['logged_steps']} logged steps, "
             f"{run['tps']:,.0f} tok/s/device (median of {step_range(run['first_step'], run['last_step'])})"
             f"{memory}, {run['wall_s']:.0f} s")

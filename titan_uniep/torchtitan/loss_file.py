@@ -13,8 +13,11 @@ the previous logged step), ``mem_reserved_peak_gib`` (the "memory:" figure of
 the log line) and ``mem_active_peak_gib`` (rank 0's peak reserved and active
 bytes since the previous logged step, in GiB; without a GPU both are the
 process's peak resident set, from the edge's CPU shims). On a GPU each line
-also has rank 0's ``mem_allocated`` (bytes held after the step) and
-``mem_peak`` (peak allocated bytes since the previous logged step).
+also has rank 0's ``mem_allocated`` (bytes held after the step),
+``mem_peak`` (peak allocated bytes since the previous logged step) and
+``mem_symmetric`` (bytes of symmetric memory UniEP's workspaces hold:
+PyTorch maps them outside its caching allocator, so the reserved figures
+leave them out; 0 in a run without UniEP's kernels).
 
 ``python -m titan_uniep.tools.compare_loss RUN_A RUN_B`` compares two such
 files; ``python -m titan_uniep.tools.memory_flat RUN`` checks that memory
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -73,7 +77,9 @@ class _KeepLastMetrics(BaseLogger):
 def _memory() -> dict:
     if not torch.cuda.is_available():
         return {}
-    return {"mem_allocated": torch.cuda.memory_allocated(), "mem_peak": torch.cuda.max_memory_allocated()}
+    op = sys.modules.get("titan_uniep.op")  # loaded where a UniEP kernel schedule runs
+    return {"mem_allocated": torch.cuda.memory_allocated(), "mem_peak": torch.cuda.max_memory_allocated(),
+            "mem_symmetric": op.symmetric_memory_bytes() if op is not None else 0}
 
 
 def record_losses(metrics_processor, dump_folder: str) -> None:
