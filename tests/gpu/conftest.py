@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 _HERE = Path(__file__).parent
 
@@ -23,3 +24,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE in Path(str(item.fspath)).parents:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A one-rank NCCL group in this process (each xdist worker its own)."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

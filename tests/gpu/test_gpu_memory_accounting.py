@@ -11,22 +11,11 @@ reserved peak.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import titan_uniep.op as op
 from titan_uniep.runtime import BackwardWorkspace, Workspace
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _in_a_caching_allocator_segment(ptr: int) -> bool:

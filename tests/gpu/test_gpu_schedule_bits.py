@@ -39,7 +39,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from titan_uniep.layout import slot_capacity
 from titan_uniep.params import default_params
@@ -174,17 +173,6 @@ def test_weight_gradient_tile_choices_give_the_default_points_fp32_weight_gradie
     got = run_simulated(w, point, False, "fused", torch.float32)
     differ = differing(ref, got)
     assert not differ, f"{changed_fields(point, base)}: bits differ in {differ}"
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    """A one-rank NCCL group in this process (each xdist worker its own)."""
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def run_real(group, w: dict, params, score_before: bool, schedule: str) -> dict[str, torch.Tensor]:
