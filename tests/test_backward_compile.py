@@ -36,6 +36,7 @@ def compile_all() -> None:
     from titan_uniep.kernels.wgrad import gather_slot_rows_kernel, wgrad_kernel
     from titan_uniep.params import default_params
     from titan_uniep.runtime.backward import da_reduce_dim, dh_max_registers
+    from titan_uniep.runtime.workspace import backward_returned_row
 
     def check(kernel, what, gemm_loops, even, tma=False):
         ttgir = kernel.asm["ttgir"]
@@ -81,11 +82,13 @@ def compile_all() -> None:
                 assert fit >= p.dh_programs_per_sm, f"{name}: {fit} programs fit an SM, launched " \
                     f"with {p.dh_programs_per_sm}"
             nhb = -(-hidden // p.dh_block_n)
+            ret_row = backward_returned_row(dim, torch.bfloat16)
             tma = p.da_tma and hidden % p.da_block_k == 0  # as runtime.backward launches it (bf16)
             opts = dict(num_warps=p.da_num_warps, num_stages=p.da_num_stages, max_registers=p.da_max_registers)
             kernel = sm90_compile.build(da_combine_kernel, da, dict(
                 NUM_LOCAL=1, WORLD=2, NHB=nhb, NHBP=triton.next_power_of_2(nhb), BN=p.da_block_n, BK=p.da_block_k,
-                BT=p.reduce_block_tokens, BD=da_reduce_dim(p, score_before), RET_ROW_F32=dim, PARTS_AT_F32=dim // 2,
+                BT=p.reduce_block_tokens, BD=da_reduce_dim(p, score_before), RET_ROW=ret_row, RET_ROW_F32=ret_row // 2,
+                PARTS_AT_F32=dim // 2,
                 TMA=tma, **shape), **opts)
             check(kernel, f"da_combine (dA + reduce{', TMA' if tma else ''}) {what}", 1, even, tma=tma)
             fit = programs_per_sm(kernel, p.da_num_warps)

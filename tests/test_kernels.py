@@ -18,7 +18,9 @@ from titan_uniep.kernels.scoreboard import CTL_EPOCH, CTL_OWN_DISPATCH_TASKS
 from titan_uniep.layout import compute_layout, count_per_expert, token_destinations
 from titan_uniep.oracle import float64_moe_oracle, layout_oracle_forward
 from titan_uniep.params import interpreter_params
-from titan_uniep.runtime import Workspace, WorkspaceShape, exchange_bytes, memory_bytes, simulated_moe_forward
+from titan_uniep.runtime import (BackwardWorkspace, Workspace, WorkspaceShape, exchange_bytes, memory_bytes,
+                                 simulated_moe_forward)
+from titan_uniep.runtime.workspace import backward_returned_row
 
 import worlds
 
@@ -212,6 +214,23 @@ def test_memory_report_follows_the_documented_formula():
     route = ("num_tokens", "block_counts", "route_tables", "dest_rank", "dest_slot", "dest_tile", "tile_expert",
              "tile_start", "tile_end", "num_tiles", "tile_order")
     assert ws.memory_bytes()["route"] * 2 == sum(getattr(ws, name).nbytes for name in route)
+
+
+def test_backward_returned_rows_hold_the_da_row_and_its_score_word_in_128_byte_lines():
+    """The backward's returned row: D elements of dA, then one fp32 word (the
+    router-score gradient), padded to 128 bytes; not the 2D of its
+    ``[x | dOut]`` token rows."""
+    assert backward_returned_row(2048, torch.bfloat16) == 2112  # 4096 + 4 bytes -> 4224
+    assert backward_returned_row(1000, torch.float16) == 1024  # 2000 + 4 -> 2048
+    assert backward_returned_row(30, torch.float32) == 32  # 120 + 4 -> 128
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        backward_returned_row(33, torch.bfloat16)
+    sizes = dict(num_tokens=5, dim=2048, hidden=16, num_experts=4, top_k=2, dtype=torch.bfloat16,
+                 params=interpreter_params())
+    shape = BackwardWorkspace.simulated(1, **sizes).inner.shape
+    assert (shape.dim, shape.returned_row_elems) == (4096, 2112)
+    assert memory_bytes(shape)["returned"] == 5 * 2 * 4224
+    assert Workspace.simulated(1, **sizes).shape.returned_row_elems == 2048  # the forward's: D
 
 
 @pytest.mark.parametrize("defer,flat,local_first", [(False, False, False), (True, True, False), (False, False, True)])

@@ -3,10 +3,11 @@ router-score gradients.
 
 Reads what ``dispatch_dh`` (and the SwiGLU backward pass) left: ``dh1``,
 ``dh3`` ``(L, S, H)`` and ``ds_parts`` ``(L, S, NHB)`` fp32 per slot, and in
-every rank's arena (``scoreboard.Arena``) ``returned`` ``(T_cap * K, 2D)``:
-columns ``[0, D)`` the dA row of copy ``(t, k)``, the next fp32 word its
-router-score gradient (scores after the experts); ``token_arrivals``
-``(T_cap,)``.
+every rank's arena (``scoreboard.Arena``) ``returned`` ``(T_cap * K, R)``
+(``R``: ``runtime.workspace.backward_returned_row``, ``D * b + 4`` bytes
+rounded up to 128): columns ``[0, D)`` the dA row of copy ``(t, k)``, the next
+fp32 word its router-score gradient (scores after the experts);
+``token_arrivals`` ``(T_cap,)``.
 
 Tasks:
 
@@ -65,8 +66,8 @@ def da_tile(
     arena, anchor_rank, d1_desc, d3_desc, w1_desc, w3_desc, a_row, b_row, control, rank,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NHB: tl.constexpr, NHBP: tl.constexpr,
-    RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-    RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr, INTERPRET: tl.constexpr,
+    RET_ROW: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr, RACE: tl.constexpr, COL_BLOCKS: tl.constexpr, SCOPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """dA of slots ``m0..m1``, columns ``n0..n0+BN`` of D (one K-loop over H:
     ``dA = dh1 @ w1 + dh3 @ w3``), stored at each row's source; scores after
@@ -123,7 +124,7 @@ def da_tile(
     row = (copy_id % per_rank).to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
     returned = arena_ptr(arena.act, arena, anchor_rank, source, arena.returned)
-    tl.store(returned[:, None] + row[:, None] * (2 * DIM) + offs_n[None, :], acc.to(dh1.dtype.element_ty),
+    tl.store(returned[:, None] + row[:, None] * RET_ROW + offs_n[None, :], acc.to(dh1.dtype.element_ty),
              mask=mask)
     if not SCORE_BEFORE:
         if n0 == 0:
@@ -150,7 +151,8 @@ def da_reduce_task(
     anchor_rank, arrivals_per_token, timeout,
     DIM: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
-    KP: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr, USE_TIMER: tl.constexpr,
+    KP: tl.constexpr, RET_ROW: tl.constexpr, RET_ROW_F32: tl.constexpr, PARTS_AT_F32: tl.constexpr,
+    USE_TIMER: tl.constexpr,
     WORLD: tl.constexpr, RACE: tl.constexpr, SLACK: tl.constexpr, COL_BLOCKS: tl.constexpr,
     SCOPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -178,7 +180,7 @@ def da_reduce_task(
                 if SCORE_BEFORE:
                     x = tl.load(x_ptr + tok + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
                 for k in range(0, TOP_K):
-                    da = tl.load(returned + (rows + k)[:, None] * (2 * DIM) + offs_d[None, :], mask=mask,
+                    da = tl.load(returned + (rows + k)[:, None] * RET_ROW + offs_d[None, :], mask=mask,
                                  other=0.0, cache_modifier=".cg").to(tl.float32)
                     if SCORE_BEFORE:
                         score = tl.load(scores_ptr + local * route.copy_stride + offs_t * TOP_K + k, mask=mask_t)
@@ -229,6 +231,7 @@ def da_combine_kernel(
     NHB: tl.constexpr,  # column blocks of the dH tiles (score partials per slot)
     NHBP: tl.constexpr,  # next power of two >= NHB
     GROUP_M: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    RET_ROW: tl.constexpr,  # elements per returned row (workspace.backward_returned_row)
     RET_ROW_F32: tl.constexpr,  # fp32 words per returned row
     PARTS_AT_F32: tl.constexpr,  # fp32 word of a returned row that holds its score gradient
     PRECISION: tl.constexpr, USE_TIMER: tl.constexpr,
@@ -264,7 +267,7 @@ def da_combine_kernel(
                     local * (weight_rank_stride // DIM).to(tl.int32) + expert * HIDDEN,
                     control_ptr + local * _CONTROL_WORDS, rank,
                     DIM, HIDDEN, TOP_K, SCORE_BEFORE, BM, BN, BK, NHB, NHBP,
-                    RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, RACE, COL_BLOCKS, SCOPE, INTERPRET,
+                    RET_ROW, RET_ROW_F32, PARTS_AT_F32, PRECISION, TMA, RACE, COL_BLOCKS, SCOPE, INTERPRET,
                 )
                 release_token_arrivals(source, token, rows, arena, anchor_rank, SCOPE)
             task = claim_task(control_ptr, _CTL_DA_TASKS)
@@ -276,6 +279,6 @@ def da_combine_kernel(
         while task < total:
             da_reduce_task(task, tasks_per_rank, rank_base, control_ptr, route, scores_ptr, x_ptr, x_rank_stride,
                            dx_ptr, ds_ptr, arena, anchor_rank, TOP_K * col_blocks, timeout, DIM, TOP_K, SCORE_BEFORE,
-                           BT, BD, KP, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK, COL_BLOCKS, SCOPE,
-                           INTERPRET)
+                           BT, BD, KP, RET_ROW, RET_ROW_F32, PARTS_AT_F32, USE_TIMER, WORLD, RACE, SLACK,
+                           COL_BLOCKS, SCOPE, INTERPRET)
             task = claim_task(control_ptr, _CTL_REDUCE_TASKS)

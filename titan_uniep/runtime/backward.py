@@ -418,7 +418,8 @@ def launch_backward(bws: BackwardWorkspace, call: CallArrays, p: LayerParams, sc
             ws.anchor_rank, ws.rank_base, do_tiles, do_reduce, timeout, *(da_rows or (0, 0)),
             BM=p.block_m, BN=p.da_block_n, BK=p.da_block_k, NHB=col_blocks_dh,
             NHBP=triton.next_power_of_2(col_blocks_dh), BD=da_reduce_dim(p, score_before),
-            RET_ROW_F32=2 * dim * elem // 4, PARTS_AT_F32=dim * elem // 4, TMA=da_rows is not None,
+            RET_ROW=s.returned_row_elems, RET_ROW_F32=s.returned_row_elems * elem // 4, PARTS_AT_F32=dim * elem // 4,
+            TMA=da_rows is not None,
             INTERPRET=interpreting(), **shape_meta, **da_opts,
         )
 

@@ -18,7 +18,8 @@ tokens             W * T * D * b      dispatch (de-duplicated token rows;
 slot_copy          4 * S              dispatch (slot -> copy id)
 slot_score         4 * S              dispatch (router score of the slot)
 tile_arrivals      4 * C              dispatch (release), fc1 waits
-returned           T * K * D * b      fc2 (expert output of each copy)
+returned           T * K * R * b      fc2 (expert output of each copy;
+                                      R = D, or ``returned_row``)
 token_arrivals     4 * T              fc2 (release), reduce waits
 counts             2 * W * E * 8      counts exchange (two epochs' tables)
 count_flags        2 * W * 8          counts exchange (epoch of each table)
@@ -97,7 +98,7 @@ from ..kernels.scoreboard import (
 from ..layout import slot_capacity, tile_capacity
 from ..params import LayerParams, default_params
 
-__all__ = ["BackwardWorkspace", "Workspace", "WorkspaceShape", "memory_bytes"]
+__all__ = ["BackwardWorkspace", "Workspace", "WorkspaceShape", "backward_returned_row", "memory_bytes"]
 
 _ALIGN = 256
 # Element type of each arena buffer (None: the activation dtype).
@@ -123,6 +124,11 @@ class WorkspaceShape:
     dtype: torch.dtype
     block_m: int
     race_stamps: bool = False  # the arrival stamps of race mode (LayerParams.debug_race, testing only)
+    returned_row: int = 0  # elements per returned row (0: dim); the backward's: backward_returned_row
+
+    @property
+    def returned_row_elems(self) -> int:
+        return self.returned_row or self.dim
 
     @property
     def num_local_experts(self) -> int:
@@ -148,7 +154,7 @@ class WorkspaceShape:
             "slot_copy": 4 * s,
             "slot_score": 4 * s,
             "tile_arrivals": 4 * c,
-            "returned": t * k * d * b,
+            "returned": t * k * self.returned_row_elems * b,
             "token_arrivals": 4 * t,
             "counts": 2 * w * e * 8,
             "count_flags": 2 * w * 8,
@@ -233,11 +239,12 @@ class Workspace:
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, *, num_tokens: int, dim: int, hidden: int, num_experts: int,
                   top_k: int, dtype: torch.dtype, device: torch.device | int | None = None,
-                  params: LayerParams | None = None) -> "Workspace":
+                  params: LayerParams | None = None, returned_row: int = 0) -> "Workspace":
         """Real EP: collective over ``group`` (every rank calls it with the same
         arguments). ``num_tokens``: the token capacity per rank. ``params``:
         the default of every call on it (``params.default_params`` of the EP
-        size and shape if None); its ``block_m`` sizes the tile buffers."""
+        size and shape if None); its ``block_m`` sizes the tile buffers.
+        ``returned_row``: elements per returned row (0: ``dim``)."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device("cuda", device) if isinstance(device, int) else device
@@ -246,19 +253,19 @@ class Workspace:
         world_size = dist.get_world_size(group)
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
-                               params.debug_race)
+                               params.debug_race, returned_row)
         return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, params=params,
                    group=group)
 
     @classmethod
     def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
                   dtype: torch.dtype, device: torch.device | str = "cpu",
-                  params: LayerParams | None = None) -> "Workspace":
+                  params: LayerParams | None = None, returned_row: int = 0) -> "Workspace":
         """All ``world_size`` ranks' buffers in this process (one launch runs
-        the whole world); ``params`` as ``for_group``."""
+        the whole world); ``params`` and ``returned_row`` as ``for_group``."""
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
-                               params.debug_race)
+                               params.debug_race, returned_row)
         return cls(shape=shape, rank_base=0, num_local_ranks=world_size, device=torch.device(device),
                    params=params, group=None)
 
@@ -373,7 +380,8 @@ class Workspace:
             if s.world_size > 1:
                 self.arena_view(local, "tokens", s.dtype, (s.world_size * s.token_capacity, s.dim)).fill_(
                     float("nan"))
-            self.arena_view(local, "returned", s.dtype, (s.token_capacity * s.top_k, s.dim)).fill_(float("nan"))
+            self.arena_view(local, "returned", s.dtype, (s.token_capacity * s.top_k, s.returned_row_elems)).fill_(
+                float("nan"))
             self.arena_view(local, "slot_score", torch.float32, (s.slot_capacity,)).fill_(float("nan"))
         self.h.fill_(float("nan"))
 
@@ -544,11 +552,26 @@ class ErrorCopies:
             yield self.control[slot], self.aborts[slot]
 
 
+RETURNED_ROW_ALIGN = 128
+"""Bytes a backward returned row is padded to: every row starts on a 128-byte
+line, as the forward's ``D``-wide rows do for the shapes that train."""
+
+
+def backward_returned_row(dim: int, dtype: torch.dtype) -> int:
+    """Elements per returned row of the backward: the dA row (``dim``
+    elements) and, after it, one fp32 word (the copy's router-score
+    gradient), padded to ``RETURNED_ROW_ALIGN`` bytes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    if (dim * elem) % 4:
+        raise ValueError(f"the backward needs dim * element size to be a multiple of 4 bytes, got {dim} x {elem}")
+    return -(-(dim * elem + 4) // RETURNED_ROW_ALIGN) * RETURNED_ROW_ALIGN // elem
+
+
 class BackwardWorkspace:
     """Buffers of the backward of one EP group, by composition: a ``Workspace``
-    built for rows of ``2 * D`` (its ``tokens`` hold ``[x | dOut]`` rows, its
-    ``returned`` rows hold dA and the fp32 router-score gradient; its route
-    arrays hold the call's layout), plus local ``dh1``/``dh3`` ``(L, S, H)``
+    built for rows of ``2 * D`` (its ``tokens`` hold ``[x | dOut]`` rows; its
+    ``returned`` rows, ``backward_returned_row`` elements each, hold dA and the
+    fp32 router-score gradient; its route arrays hold the call's layout), plus local ``dh1``/``dh3`` ``(L, S, H)``
     next to its ``h``, the router-score partials ``ds_parts``
     ``(L, S, cdiv(H, dh))`` fp32 (``dh`` the dH tile width, ``LayerParams.dh_block_n``)
     ``slot_rows`` ``(L, 2, S, D)``: each slot's x and dOut rows in slot
@@ -556,8 +579,8 @@ class BackwardWorkspace:
     fp32: the dH tiles' ``G = dOut @ w2``, which the SwiGLU pass reads.
 
     Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
-    element): symmetric ``2 * W * T * D * b`` (token rows; none at W = 1) + ``2 * T * K * D * b``
-    (returned) + small index/flag buffers; local ``3 * S * H * b`` +
+    element): symmetric ``2 * W * T * D * b`` (token rows; none at W = 1) + ``T * K * R * b``
+    (returned, ``R * b`` = ``D * b + 4`` rounded up to 128 bytes) + small index/flag buffers; local ``3 * S * H * b`` +
     ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + ``4 * S * H``
     (``g32``) + the route arrays. Build it before CUDA-graph capture; reuse
     it for every layer and step.
@@ -594,6 +617,7 @@ class BackwardWorkspace:
                   dtype: torch.dtype, device=None, params: LayerParams | None = None) -> "BackwardWorkspace":
         """Real EP: collective over ``group`` (same arguments on every rank)."""
         inner = Workspace.for_group(group, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                    returned_row=backward_returned_row(dim, dtype),
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device, params=params)
         return cls(inner, dim)
 
@@ -602,6 +626,7 @@ class BackwardWorkspace:
                   dtype: torch.dtype, device="cpu", params: LayerParams | None = None) -> "BackwardWorkspace":
         """Every rank's buffers in this process (one launch runs the world)."""
         inner = Workspace.simulated(world_size, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                    returned_row=backward_returned_row(dim, dtype),
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device,
                                     params=params)
         return cls(inner, dim)

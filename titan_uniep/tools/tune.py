@@ -687,7 +687,8 @@ def config_layers(path: str, world: int = 1) -> tuple[list[MoELayer], int]:
                                   activation_dtype=job.training.mixed_precision_param)
         layer = MoELayer(f"{job.model.flavor}:{fqn}", tokens, dim, hidden, num_experts, moe.router.top_k,
                          moe.score_before_experts, dtype,
-                         job_weight_grad_dtype(dtype, fsdp=fsdp, mixed_precision_param=job.training.mixed_precision_param))
+                         job_weight_grad_dtype(dtype, fsdp=fsdp,
+                                               mixed_precision_param=job.training.mixed_precision_param))
         shapes.setdefault(dataclasses.replace(layer, name=""), layer)
     if not shapes:
         raise ValueError(f"--config {path}: model {job.model.name!r} flavor {job.model.flavor!r} has no MoE layers")
@@ -712,9 +713,9 @@ def init_group() -> tuple[dist.ProcessGroup, torch.device]:
 
 def print_result(res: SearchResult) -> None:
     grads = res.layer.weight_grad_dtype
+    grads = f", weight gradients in {dtype_name(grads)}" if grads not in (None, res.layer.dtype) else ""
     print(f"== {res.layer.name}: T={res.layer.tokens} D={res.layer.dim} H={res.layer.hidden} "
-          f"E={res.layer.num_experts} K={res.layer.top_k} {dtype_name(res.layer.dtype)}"
-          f"{f', weight gradients in {dtype_name(grads)}' if grads not in (None, res.layer.dtype) else ''}", flush=True)
+          f"E={res.layer.num_experts} K={res.layer.top_k} {dtype_name(res.layer.dtype)}{grads}", flush=True)
     for direction, rows in res.table.items():
         print(f"| {direction} point | measured ms | model ms | |\n|---|---|---|---|")
         for row in sorted(rows, key=lambda r: float("inf") if r["measured_ms"] is None else r["measured_ms"]):
