@@ -60,11 +60,11 @@ def test_the_peak_memory_adds_the_symmetric_memory_the_reserved_figure_leaves_ou
     records += [step(n, 100.0, mem_reserved_peak_gib=mem, mem_symmetric=sym)
                 for n, mem, sym in ((2, 4.0, gib // 2), (3, 3.0, 2 * gib), (4, 3.5, gib))]
     stats = run_stats(records, warmup=1)
-    assert stats["mem_reserved_peak_gib"] == 4.0
+    assert stats["mem_reserved_peak_gib"] == 4.0 and stats["mem_symmetric_gib"] == 2.0
     assert stats["mem_peak_gib"] == 5.0  # step 3: 3.0 reserved + 2.0 symmetric
     # A run without UniEP's kernels, or without a GPU, records no symmetric memory: the reserved peak alone.
     plain = run_stats([step(n, 100.0, mem_reserved_peak_gib=2.0 + n) for n in (1, 2, 3)], warmup=1)
-    assert plain["mem_peak_gib"] == plain["mem_reserved_peak_gib"] == 5.0
+    assert plain["mem_peak_gib"] == plain["mem_reserved_peak_gib"] == 5.0 and plain["mem_symmetric_gib"] is None
 
 
 def test_with_sparse_logging_only_windows_wholly_after_the_warmup_count():

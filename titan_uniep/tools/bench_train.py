@@ -85,13 +85,13 @@ the bundled qwen3 pair, with start-up and compilation, takes minutes."""
 
 MEDIAN_FIELDS = ("tps", "step_time", "mfu_pct", "tflops")
 """loss.jsonl fields summarised by their median over the steps after warm-up."""
-PEAK_FIELDS = ("mem_peak_gib", "mem_reserved_peak_gib", "mem_active_peak_gib")
+PEAK_FIELDS = ("mem_peak_gib", "mem_reserved_peak_gib", "mem_active_peak_gib", "mem_symmetric_gib")
 """Figures summarised by their largest value over those steps: loss.jsonl's
-reserved and active peaks, and ``mem_peak_gib``, the reserved peak plus the
-symmetric memory UniEP's workspaces hold (``mem_symmetric``: PyTorch maps it
-outside its caching allocator, so TorchTitan's figure leaves it out; none in
-a baseline run, nor without a GPU). The table's peak memory is
-``mem_peak_gib``."""
+reserved and active peaks; ``mem_symmetric_gib``, the symmetric memory
+UniEP's workspaces hold (loss.jsonl's ``mem_symmetric``: PyTorch maps it
+outside its caching allocator, so TorchTitan's figure leaves it out; 0 in a
+baseline run, absent without a GPU); and ``mem_peak_gib``, the reserved peak
+plus it, the table's peak memory."""
 
 _OWNED_OVERRIDES = {
     "training.steps": "--steps",
@@ -381,8 +381,7 @@ def run_stats(records: list[dict], warmup: int, source: str = "loss.jsonl") -> d
         raise ValueError(f"{source}: steps {lacking} have no 'tps': it was written by a titan_uniep.torchtitan.train that "
                          "did not record TorchTitan's step metrics; train with this checkout's run_train.sh")
     stats = {"first_step": measured[0]["step"], "last_step": measured[-1]["step"], "measured_steps": len(measured)}
-    measured = [{**r, "mem_peak_gib": r["mem_reserved_peak_gib"] + r.get("mem_symmetric", 0) / 2**30}
-                if r.get("mem_reserved_peak_gib") is not None else r for r in measured]
+    measured = [{**r, **_memory_figures(r)} for r in measured]
     for name in MEDIAN_FIELDS:
         values = [r[name] for r in measured if r.get(name) is not None]
         stats[name] = statistics.median(values) if values else None
@@ -418,8 +417,15 @@ def loss_difference(reference: Path, run: Path) -> dict:
             "loss_common_steps": len(result.steps), "loss_bitwise": result.bitwise}
 
 
-def _difference(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
+def _memory_figures(record: dict) -> dict:
+    """A step's ``mem_symmetric_gib`` and ``mem_peak_gib`` (``PEAK_FIELDS``), where it has the figures."""
+    figures = {}
+    symmetric = record.get("mem_symmetric")
+    if symmetric is not None:
+        figures["mem_symmetric_gib"] = symmetric / 2**30
+    if record.get("mem_reserved_peak_gib") is not None:
+        figures["mem_peak_gib"] = record["mem_reserved_peak_gib"] + figures.get("mem_symmetric_gib", 0.0)
+    return figures
 
 
 def _largest(values: list[float]) -> float | None:
@@ -515,7 +521,7 @@ def markdown(report: Report) -> str:
         lines.append(
             f"| {run['side']} {run['run']} | {_fmt(run['tps'], ',.0f')} | {_fmt(_ms(run['step_time']), ',.1f')} "
             f"| {_fmt(run['mem_peak_gib'], '.2f')} "
-            f"| {_fmt(_difference(run['mem_peak_gib'], run['mem_reserved_peak_gib']), '.2f')} "
+            f"| {_fmt(run['mem_symmetric_gib'], '.2f')} "
             f"| {_fmt(run['mfu_pct'], '.2f')} "
             f"| {_fmt(run['tflops'], ',.2f')} | {'reference' if reference else _fmt(run['loss_max_rel_diff'], '.2e')} "
             f"| {'' if reference else _fmt(run['loss_mean_rel_diff'], '.2e')} | {_fmt(run['wall_s'], ',.0f')} |"
