@@ -63,6 +63,8 @@ def test_the_peak_memory_adds_the_symmetric_memory_the_reserved_figure_leaves_ou
     assert stats["mem_reserved_peak_gib"] == 4.0 and stats["mem_symmetric_gib"] == 2.0
     assert stats["mem_peak_gib"] == 5.0  # step 3: 3.0 reserved + 2.0 symmetric
     # A run without UniEP's kernels, or without a GPU, records no symmetric memory: the reserved peak alone.
+    records[2]["mem_device_used"] = 6 * gib
+    assert run_stats(records, warmup=1)["mem_device_used_gib"] == 6.0
     plain = run_stats([step(n, 100.0, mem_reserved_peak_gib=2.0 + n) for n in (1, 2, 3)], warmup=1)
     assert plain["mem_peak_gib"] == plain["mem_reserved_peak_gib"] == 5.0 and plain["mem_symmetric_gib"] is None
 

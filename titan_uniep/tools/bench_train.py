@@ -85,13 +85,16 @@ the bundled qwen3 pair, with start-up and compilation, takes minutes."""
 
 MEDIAN_FIELDS = ("tps", "step_time", "mfu_pct", "tflops")
 """loss.jsonl fields summarised by their median over the steps after warm-up."""
-PEAK_FIELDS = ("mem_peak_gib", "mem_reserved_peak_gib", "mem_active_peak_gib", "mem_symmetric_gib")
+PEAK_FIELDS = ("mem_peak_gib", "mem_reserved_peak_gib", "mem_active_peak_gib", "mem_symmetric_gib",
+               "mem_device_used_gib")
 """Figures summarised by their largest value over those steps: loss.jsonl's
 reserved and active peaks; ``mem_symmetric_gib``, the symmetric memory
 UniEP's workspaces hold (loss.jsonl's ``mem_symmetric``: PyTorch maps it
 outside its caching allocator, so TorchTitan's figure leaves it out; 0 in a
-baseline run, absent without a GPU); and ``mem_peak_gib``, the reserved peak
-plus it, the table's peak memory."""
+baseline run, absent without a GPU); ``mem_peak_gib``, the reserved peak
+plus it, the table's peak memory; and ``mem_device_used_gib``, the device's
+used memory after a step (loss.jsonl's ``mem_device_used``), a cross-check
+that counts everything on the device."""
 
 _OWNED_OVERRIDES = {
     "training.steps": "--steps",
@@ -423,6 +426,8 @@ def _memory_figures(record: dict) -> dict:
     symmetric = record.get("mem_symmetric")
     if symmetric is not None:
         figures["mem_symmetric_gib"] = symmetric / 2**30
+    if record.get("mem_device_used") is not None:
+        figures["mem_device_used_gib"] = record["mem_device_used"] / 2**30
     if record.get("mem_reserved_peak_gib") is not None:
         figures["mem_peak_gib"] = record["mem_reserved_peak_gib"] + figures.get("mem_symmetric_gib", 0.0)
     return figures
@@ -512,16 +517,17 @@ def markdown(report: Report) -> str:
         f"compile {str(meta['compile']).lower()}, AC mode {meta['ac_mode'] or 'as configured'}"
         + (f", overrides `{' '.join(meta['overrides'])}`" if meta["overrides"] else "") + ".",
         "",
-        "| run | tok/s per device | step time (ms) | peak memory (GiB) | symmetric (GiB) | MFU (%) | TFLOP/s "
+        "| run | tok/s per device | step time (ms) | peak memory (GiB) | symmetric (GiB) | device used (GiB) "
+        "| MFU (%) | TFLOP/s "
         "| loss max rel diff | loss mean rel diff | wall (s) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run in report.runs:
         reference = run["loss_max_rel_diff"] is None
         lines.append(
             f"| {run['side']} {run['run']} | {_fmt(run['tps'], ',.0f')} | {_fmt(_ms(run['step_time']), ',.1f')} "
             f"| {_fmt(run['mem_peak_gib'], '.2f')} "
-            f"| {_fmt(run['mem_symmetric_gib'], '.2f')} "
+            f"| {_fmt(run['mem_symmetric_gib'], '.2f')} | {_fmt(run['mem_device_used_gib'], '.2f')} "
             f"| {_fmt(run['mfu_pct'], '.2f')} "
             f"| {_fmt(run['tflops'], ',.2f')} | {'reference' if reference else _fmt(run['loss_max_rel_diff'], '.2e')} "
             f"| {'' if reference else _fmt(run['loss_mean_rel_diff'], '.2e')} | {_fmt(run['wall_s'], ',.0f')} |"
@@ -531,7 +537,8 @@ def markdown(report: Report) -> str:
         lines.append(
             f"| **{side}** (median of {s['runs']}) | **{_fmt(s['tps'], ',.0f')}** "
             f"({_fmt(s['tps_min'], ',.0f')}-{_fmt(s['tps_max'], ',.0f')}) | {_fmt(_ms(s['step_time']), ',.1f')} "
-            f"| {_fmt(s['mem_peak_gib'], '.2f')} | | {_fmt(s['mfu_pct'], '.2f')} | {_fmt(s['tflops'], ',.2f')} "
+            f"| {_fmt(s['mem_peak_gib'], '.2f')} | | {_fmt(s['mem_device_used_gib'], '.2f')} "
+            f"| {_fmt(s['mfu_pct'], '.2f')} | {_fmt(s['tflops'], ',.2f')} "
             f"| {_fmt(s['loss_max_rel_diff'], '.2e')} | {_fmt(s['loss_mean_rel_diff'], '.2e')} | |"
         )
     base, uniep = summaries["baseline"], summaries["uniep"]
@@ -539,6 +546,7 @@ def markdown(report: Report) -> str:
         f"| **uniep / baseline** | **{_times(uniep['tps_ratio'])}** ({_times(uniep['tps_ratio_min'])}-"
         f"{_times(uniep['tps_ratio_max'])}) | {_ratio(uniep['step_time'], base['step_time'])} "
         f"| {_ratio(uniep['mem_peak_gib'], base['mem_peak_gib'])} | "
+        f"| {_ratio(uniep['mem_device_used_gib'], base['mem_device_used_gib'])} "
         f"| {_ratio(uniep['mfu_pct'], base['mfu_pct'])} | {_ratio(uniep['tflops'], base['tflops'])} | | | |"
     )
     lines += [
@@ -548,7 +556,8 @@ def markdown(report: Report) -> str:
         "computes them for its step log line on rank 0: tokens/s per device (`tps`), step time, MFU, TFLOP/s; "
         "peak memory is the largest per-step peak of reserved memory over those steps plus the symmetric memory "
         "UniEP's workspaces hold (its own column: PyTorch maps it outside its caching allocator, so TorchTitan's "
-        "memory figure leaves it out). Per side: the median of "
+        "memory figure leaves it out); device used is the largest of the device's used memory after a logged "
+        "step (everything on the device: CUDA context, NCCL, symmetric memory). Per side: the median of "
         "the runs' figures (tokens/s with the runs' min-max). The ratio's range is min(uniep) / max(baseline) to "
         "max(uniep) / min(baseline). Loss: relative difference to baseline run 1 over every common step "
         "(`titan_uniep.tools.compare_loss`); the other baseline runs show how far the baseline differs from itself "

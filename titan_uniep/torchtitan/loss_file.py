@@ -17,7 +17,11 @@ also has rank 0's ``mem_allocated`` (bytes held after the step),
 ``mem_peak`` (peak allocated bytes since the previous logged step) and
 ``mem_symmetric`` (bytes of symmetric memory UniEP's workspaces hold:
 PyTorch maps them outside its caching allocator, so the reserved figures
-leave them out; 0 in a run without UniEP's kernels).
+leave them out; 0 in a run without UniEP's kernels) and ``mem_device_used``
+(the device's used bytes after the step, ``torch.cuda.mem_get_info``: every
+process's allocations on it, the CUDA context, NCCL's and symmetric memory
+included; the caching allocator keeps its segments, so after a step it is
+about the reserved peak plus what lies outside it).
 
 ``python -m titan_uniep.tools.compare_loss RUN_A RUN_B`` compares two such
 files; ``python -m titan_uniep.tools.memory_flat RUN`` checks that memory
@@ -78,8 +82,9 @@ def _memory() -> dict:
     if not torch.cuda.is_available():
         return {}
     op = sys.modules.get("titan_uniep.op")  # loaded where a UniEP kernel schedule runs
+    free, total = torch.cuda.mem_get_info()
     return {"mem_allocated": torch.cuda.memory_allocated(), "mem_peak": torch.cuda.max_memory_allocated(),
-            "mem_symmetric": op.symmetric_memory_bytes() if op is not None else 0}
+            "mem_symmetric": op.symmetric_memory_bytes() if op is not None else 0, "mem_device_used": total - free}
 
 
 def record_losses(metrics_processor, dump_folder: str) -> None:
