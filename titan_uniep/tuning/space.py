@@ -122,7 +122,9 @@ class LayerShape:
         """Whether the weight gradients run on ``torch._grouped_mm`` for
         ``LayerParams.wgrad_backend = backend`` (``runtime.backward.wgrad_backend``
         on a GPU that runs it): ``"auto"`` takes it for 16-bit data whose
-        gradients are the data's dtype, the Triton kernel for fp32 gradients."""
+        gradients are the data's dtype, the Triton kernel for fp32 gradients.
+        (The run time takes it for bf16 only; the shape knows bytes, not the
+        type, so fp16 data counts as bf16 here.)"""
         if backend == "auto":
             return self.dtype_bytes == 2 and self.grad_bytes == self.dtype_bytes
         return backend == "grouped_mm"
