@@ -140,6 +140,30 @@ def test_op_forward_and_backward_match_the_reference_schedule_and_float64(group,
     assert_close_to_references(got["fused"], w, group, score_before, "fused")
 
 
+def test_the_forward_and_backward_workspaces_share_their_h_scratch_in_any_order_of_calls(group, poisoned_memory):
+    """One ``h`` serves both directions' workspaces (scratch within a call):
+    two layers' forwards, then their backwards (as autograd runs a model),
+    give each layer's bits of its own forward and backward run alone."""
+    layers = [make_layer(11, 4, 2, seed=61), make_layer(11, 4, 2, seed=62)]
+    alone = [run_op(w, group, "fused", False) for w in layers]
+    fwd, bwd = (op._workspaces[k] for k in sorted(op._workspaces, key=lambda k: k[1]))
+    assert bwd.inner.h.data_ptr() == fwd.h.data_ptr(), "the backward's h is not the forward's"
+    for i, (got, w) in enumerate(zip(alone, layers)):
+        assert_close_to_references(got, w, group, False, f"layer {i} alone")
+    for ws in op._workspaces.values():
+        ws.poison()
+    runs = []
+    for w in layers:
+        leaves = _leaves(w)
+        out, _ = torch.ops.uniep.moe_experts(leaves["x"], leaves["scores"], w["indices"], leaves["w1"],
+                                             leaves["w2"], leaves["w3"], group.group_name, "fused", False)
+        runs.append((out, leaves, w))
+    interleaved = [_grads(out, leaves, w["grad"]) for out, leaves, w in reversed(runs)][::-1]
+    for i, (mine, ref) in enumerate(zip(interleaved, alone)):
+        for name, a, b in zip(NAMES, mine, ref):
+            assert torch.equal(a, b), f"layer {i} {name}: differs when the other layer's calls come between"
+
+
 @pytest.mark.parametrize("case", ["all_tokens_to_one_expert", "expert_without_tokens", "one_token"])
 def test_op_under_edge_routing_with_a_poisoned_workspace(group, poisoned_memory, case):
     if case == "all_tokens_to_one_expert":  # K = 1: two tiles of expert 2, three experts with no rows

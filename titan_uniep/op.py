@@ -176,12 +176,16 @@ def workspace_for(
             params = select_params(group, **sizes, score_before_experts=score_before_experts, device=x.device,
                                    backward=backward)
             ws = kind.for_group(group, device=x.device, params=params, **sizes)
-            logger.info("UniEP %s workspace (%d tokens per rank, D %d, H %d, E %d, K %d): %.1f MiB, of which %.1f "
+            shared = _share_scratch(key, ws)
+            logger.info("UniEP %s workspace (%d tokens per rank, D %d, H %d, E %d, K %d): %.1f MiB%s, of which %.1f "
                         "MiB symmetric memory (outside PyTorch's caching allocator and TorchTitan's memory figure)",
                         "backward" if backward else "forward", capacity, x.shape[1], w1.shape[1], num_experts,
-                        top_k, ws.memory_bytes()["total"] / 2**20, ws.symmetric_bytes / 2**20)
+                        top_k, (ws.memory_bytes()["total"] - shared) / 2**20,
+                        " besides the h it shares with the other direction's" if shared else "",
+                        ws.symmetric_bytes / 2**20)
         else:
             ws = _interpreted_workspace(kind, group, x.device, sizes)
+            _share_scratch(key, ws)
         _workspaces[key] = ws
     elif num_tokens > (capacity := getattr(ws, "inner", ws).shape.token_capacity):
         # Growing is a collective; a single rank discovering it mid-step
@@ -192,6 +196,24 @@ def workspace_for(
             "or Workspace.ensure_capacity(N) on every rank between steps."
         )
     return ws
+
+
+def _share_scratch(key: tuple, ws: Workspace | BackwardWorkspace) -> int:
+    """Give ``ws`` the ``h`` of the other direction's workspace of the same
+    layer shape, where that one exists and has the same shape. Both use ``h``
+    as scratch within one call only (the forward's fc1 output for its fc2,
+    the backward's SwiGLU recompute for its weight gradients), and the op's
+    calls run one after another on the stream: one tensor serves both, and
+    the one just allocated goes back to the caching allocator. Returns the
+    bytes shared (0: none)."""
+    other = _workspaces.get((*key[:1], not key[1], *key[2:]))
+    if other is None:
+        return 0
+    mine, theirs = getattr(ws, "inner", ws), getattr(other, "inner", other)
+    if (mine.h.shape, mine.h.dtype, mine.h.device) != (theirs.h.shape, theirs.h.dtype, theirs.h.device):
+        return 0
+    mine.h = theirs.h
+    return mine.h.nbytes
 
 
 def _interpreted_workspace(kind, group: dist.ProcessGroup, device: torch.device, sizes: dict):

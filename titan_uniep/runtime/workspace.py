@@ -580,7 +580,9 @@ class BackwardWorkspace:
 
     Memory per rank (``S = W * T * min(K, El)`` slots, ``b`` bytes per
     element): symmetric ``2 * W * T * D * b`` (token rows; none at W = 1) + ``T * K * R * b``
-    (returned, ``R * b`` = ``D * b + 4`` rounded up to 128 bytes) + small index/flag buffers; local ``3 * S * H * b`` +
+    (returned, ``R * b`` = ``D * b + 4`` rounded up to 128 bytes) + small index/flag buffers;
+    local ``3 * S * H * b`` (``h``, ``dh1``, ``dh3``; ``titan_uniep.op`` gives it the
+    forward workspace's ``h``, scratch within a call in both) +
     ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + ``4 * S * H``
     (``g32``) + the route arrays. Build it before CUDA-graph capture; reuse
     it for every layer and step.
