@@ -20,6 +20,9 @@
 #                     the baseline against its own run with deterministic off (the spread to read that against)
 #   tuned             titan_uniep.tools.tune --config on the qwen3 UniEP config, then $LONG_STEPS steps with
 #                     [uniep] tuning = "cached" against the default point's fused run (bitwise)
+#   memory            the DeepSeek pair ($MEMORY_PAIR: qwen3 for the other), one run a side of 3 steps with
+#                     TorchTitan's memory snapshot after step 2: how each side's caching allocator filled its
+#                     segments (reserved, allocated, free between blocks), and its largest segments
 #
 # TorchTitan and its pure-Python dependencies: installed already, or as wheels
 # in $WHEELS (default .gpu-wheels/), installed into a scratch folder.
@@ -89,6 +92,24 @@ for step in ${STEPS:-qwen3 deepseek}; do
             --labels baseline "uniep fused" --plot "$OUT/long/fused_vs_baseline.png" | tail -8 || status=1
         python3 -m titan_uniep.tools.compare_loss "$OUT/long/sequential" "$OUT/long/fused" --assert-bitwise \
             --labels sequential fused --plot "$OUT/long/fused_vs_sequential.png" | tail -4 || status=1 ;;
+    memory)
+        stem=$([ "${MEMORY_PAIR:-deepseek}" = qwen3 ] && echo qwen3_30b_a3b_4l || echo deepseek_v3_16b_4l)
+        for side in baseline uniep; do
+            dump=$OUT/memory_$side
+            NGPU=$NGPU CONFIG_FILE=train_configs/${stem}_$side.toml ./run_train.sh --training.steps 3 \
+                --debug.no-deterministic --profiling.enable_memory_snapshot --profiling.profile_freq 2 \
+                --job.dump_folder "$dump" "${OVERRIDES[@]}" > "$dump.log" 2>&1 || { status=1; tail -30 "$dump.log"; }
+            echo "== $side: the caching allocator's segments after step 2"
+            python3 - "$dump" <<'PY' | tee "$OUT/memory_segments_$side.txt"
+import glob, pickle, sys
+from torch.cuda._memory_viz import segsum
+path = sorted(glob.glob(f"{sys.argv[1]}/**/iteration_2/rank0_memory_snapshot.pickle", recursive=True))[-1]
+lines = segsum(pickle.load(open(path, "rb"))).splitlines()
+summary = [line for line in lines if line.startswith(("segments:", "total_"))]
+segments = [line for line in lines if line.startswith("[")]
+print("\n".join(summary + ["largest segments:"] + [line.split("] ", 1)[1] for line in segments[-8:]]))
+PY
+        done ;;
     tuned)
         mkdir -p "$OUT/tuned"
         python3 -m titan_uniep.tools.tune --config train_configs/qwen3_30b_a3b_4l_uniep.toml --cache "$OUT/tuned/tuning.json" \
