@@ -712,8 +712,8 @@ def init_group() -> tuple[dist.ProcessGroup, torch.device]:
 
 
 def print_result(res: SearchResult) -> None:
-    grads = res.layer.weight_grad_dtype
-    grads = f", weight gradients in {dtype_name(grads)}" if grads not in (None, res.layer.dtype) else ""
+    grad_dtype = res.layer.weight_grad_dtype
+    grads = f", weight gradients in {dtype_name(grad_dtype)}" if grad_dtype not in (None, res.layer.dtype) else ""
     print(f"== {res.layer.name}: T={res.layer.tokens} D={res.layer.dim} H={res.layer.hidden} "
           f"E={res.layer.num_experts} K={res.layer.top_k} {dtype_name(res.layer.dtype)}{grads}", flush=True)
     for direction, rows in res.table.items():
