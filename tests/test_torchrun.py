@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from titan_uniep.torchtitan.torchrun import failure_report
@@ -77,3 +79,75 @@ def test_a_failed_launch_ends_with_the_workers_message_and_no_torchrun_traceback
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[-1] == ("[uniep] guard_layer = 9: the model has 5 MoE layers. Set guard_layer to "
                                            "-5 .. 4."), proc.stderr
+
+
+KILLED_WHILE_RECORDING = """
+import builtins, os, signal, sys
+from torch.distributed.elastic.multiprocessing.errors import record
+from titan_uniep.torchtitan.torchrun import exit_with_error, record_errors_whole
+
+real_open = builtins.open
+
+class KilledOnWrite:  # the process dies (as under torchrun's SIGTERM) the moment it writes to a file
+    def __init__(self, f):
+        self.f = f
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+    def write(self, text):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def open_killed_on_write(path, mode="r", *args, **kwargs):
+    f = real_open(path, mode, *args, **kwargs)
+    return KilledOnWrite(f) if "w" in mode else f
+
+@record  # as TorchTitan's main
+def fail():
+    raise RuntimeError("UniEP guard: layer 3 differs")
+
+builtins.open = open_killed_on_write
+if sys.argv[1] == "exit_with_error":
+    exit_with_error("[uniep] guard_layer = 9: the model has 5 MoE layers.")
+record_errors_whole()  # titan_uniep.torchtitan.train installs it
+fail()
+"""
+
+
+@pytest.mark.parametrize("recorder", ["exit_with_error", "record"])
+def test_a_worker_stopped_while_recording_its_error_leaves_no_file_torchrun_cannot_read(tmp_path, recorder):
+    # torchrun stops the other ranks once one has failed; a rank stopped half way through
+    # recording the same error must not leave a file torchrun's agent fails to parse.
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_WHILE_RECORDING)
+    error_file = tmp_path / "error.json"
+    env = dict(os.environ, TORCHELASTIC_ERROR_FILE=str(error_file),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), recorder], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr)  # it did die while writing
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=-9,
+                             error_file=str(error_file))  # parses the file: raises on a partial one
+    report, _ = failure_report(ChildFailedError("worker", {0: failure}), None)
+    assert report.splitlines()[-1] == "rank 0 failed first (signal SIGKILL); it recorded no error: its output is above"
+
+
+def test_record_errors_whole_records_what_torchelastic_records(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    from titan_uniep.torchtitan.torchrun import record_errors_whole
+
+    monkeypatch.setattr(ErrorHandler, "record_exception", ErrorHandler.record_exception)  # restored after
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    record_errors_whole()
+    record_errors_whole()  # installing it twice is harmless
+    try:
+        raise RuntimeError("UniEP guard: layer 3 differs")
+    except RuntimeError as err:
+        ErrorHandler().record_exception(err)
+    assert os.environ["TORCHELASTIC_ERROR_FILE"] == str(error_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]  # no partial file left
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "RuntimeError: UniEP guard: layer 3 differs"
+    assert "raise RuntimeError" in recorded["extraInfo"]["py_callstack"]

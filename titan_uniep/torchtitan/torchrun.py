@@ -23,7 +23,7 @@ import sys
 import time
 from typing import NoReturn
 
-__all__ = ["exit_with_error", "failure_report", "main"]
+__all__ = ["exit_with_error", "failure_report", "main", "record_errors_whole"]
 
 
 def exit_with_error(message: str) -> NoReturn:
@@ -34,9 +34,58 @@ def exit_with_error(message: str) -> NoReturn:
     if error_file and not os.path.exists(error_file):
         # The plain-string form of torchelastic's error file: the report prints the message
         # as it is, with no traceback (a configuration error has nothing to trace).
-        with open(error_file, "w", encoding="utf-8") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+        _write_whole(error_file, json.dumps({"message": message, "timestamp": int(time.time())}))
     sys.exit(f"error: {message}")
+
+
+def _partial_path(path: str) -> str:
+    return f"{path}.{os.getpid()}.partial"
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write ``path`` so that it exists only with all of ``text``.
+
+    Every rank meets a configuration error at once, and torchrun sends SIGTERM to
+    the others as soon as the first exits: a rank stopped between creating its
+    error file and writing it would leave an empty file, which torchrun's agent
+    fails to parse (a JSONDecodeError out of the launcher, no report). A file
+    renamed into place is either absent or complete."""
+    partial = _partial_path(path)
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
+def record_errors_whole() -> None:
+    """Make torchelastic's ``@record`` (TorchTitan's ``main``) write a worker's error file whole.
+
+    Its ``ErrorHandler.record_exception`` opens the file, then writes the JSON:
+    when a fault stops every rank at once, the rank torchrun stops with SIGTERM in
+    between leaves an empty file, and torchrun's agent fails to parse it (a
+    JSONDecodeError out of the launcher instead of the report). This has it write
+    a partial file beside the error file and rename it into place: the same
+    content, and the error file is absent or complete. Installed once per process."""
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    original = ErrorHandler.record_exception
+    if getattr(original, "_uniep_whole", False):
+        return
+
+    def record_exception(self, e: BaseException) -> None:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path:
+            return original(self, e)
+        partial = _partial_path(path)
+        os.environ["TORCHELASTIC_ERROR_FILE"] = partial
+        try:
+            original(self, e)
+        finally:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = path
+        if os.path.exists(partial):
+            os.replace(partial, path)
+
+    record_exception._uniep_whole = True
+    ErrorHandler.record_exception = record_exception
 
 
 def _exit_status(failure) -> str:

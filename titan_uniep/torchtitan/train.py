@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib
 
 from titan_uniep.torchtitan import edge_module
-from titan_uniep.torchtitan.torchrun import exit_with_error
+from titan_uniep.torchtitan.torchrun import exit_with_error, record_errors_whole
 
 
 def main() -> None:
+    record_errors_whole()
     try:
         edge = edge_module()
     except RuntimeError as err:
