@@ -140,14 +140,19 @@ def test_op_forward_and_backward_match_the_reference_schedule_and_float64(group,
     assert_close_to_references(got["fused"], w, group, score_before, "fused")
 
 
-def test_the_forward_and_backward_workspaces_share_their_h_scratch_in_any_order_of_calls(group, poisoned_memory):
-    """One ``h`` serves both directions' workspaces (scratch within a call):
+def test_the_forward_and_backward_workspaces_share_their_scratch_in_any_order_of_calls(group, poisoned_memory):
+    """One ``h`` serves both directions' workspaces and the backward's g32 lies in the forward's returned rows (scratch within a call):
     two layers' forwards, then their backwards (as autograd runs a model),
     give each layer's bits of its own forward and backward run alone."""
     layers = [make_layer(11, 4, 2, seed=61), make_layer(11, 4, 2, seed=62)]
     alone = [run_op(w, group, "fused", False) for w in layers]
     fwd, bwd = (op._workspaces[k] for k in sorted(op._workspaces, key=lambda k: k[1]))
     assert bwd.inner.h.data_ptr() == fwd.h.data_ptr(), "the backward's h is not the forward's"
+    start = fwd.arena.data_ptr() + fwd.offsets["returned"]
+    end = start + fwd.shape.arena_sizes()["returned"]
+    borrowed = [name for name in bwd.CALL_SCRATCH if start <= getattr(bwd, name).data_ptr() < end]
+    assert borrowed == ["g32"], f"the backward's scratch in the forward's returned rows: {borrowed}"
+    assert bwd.g32.data_ptr() + bwd.g32.nbytes <= end
     for i, (got, w) in enumerate(zip(alone, layers)):
         assert_close_to_references(got, w, group, False, f"layer {i} alone")
     for ws in op._workspaces.values():
@@ -162,6 +167,12 @@ def test_the_forward_and_backward_workspaces_share_their_h_scratch_in_any_order_
     for i, (mine, ref) in enumerate(zip(interleaved, alone)):
         for name, a, b in zip(NAMES, mine, ref):
             assert torch.equal(a, b), f"layer {i} {name}: differs when the other layer's calls come between"
+    # The next step's forwards, after the backwards wrote their scratch into the forward's returned rows.
+    for i, (w, ref) in enumerate(zip(layers, alone)):
+        leaves = _leaves(w)
+        out, _ = torch.ops.uniep.moe_experts(leaves["x"], leaves["scores"], w["indices"], leaves["w1"],
+                                             leaves["w2"], leaves["w3"], group.group_name, "fused", False)
+        assert torch.equal(out, ref[0]), f"layer {i}: the forward after the backwards differs"
 
 
 @pytest.mark.parametrize("case", ["all_tokens_to_one_expert", "expert_without_tokens", "one_token"])

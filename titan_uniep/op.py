@@ -199,21 +199,26 @@ def workspace_for(
 
 
 def _share_scratch(key: tuple, ws: Workspace | BackwardWorkspace) -> int:
-    """Give ``ws`` the ``h`` of the other direction's workspace of the same
-    layer shape, where that one exists and has the same shape. Both use ``h``
-    as scratch within one call only (the forward's fc1 output for its fc2,
-    the backward's SwiGLU recompute for its weight gradients), and the op's
-    calls run one after another on the stream: one tensor serves both, and
-    the one just allocated goes back to the caching allocator. Returns the
-    bytes shared (0: none)."""
+    """Give ``ws`` scratch memory of the other direction's workspace of the
+    same layer shape, where that one exists. Both use ``h`` as scratch within
+    one call only (the forward's fc1 output for its fc2, the backward's SwiGLU
+    recompute for its weight gradients), and the op's calls run one after
+    another on the stream: one tensor serves both, where the shapes agree. The
+    backward's call-local buffers that fit go into the forward's ``returned``
+    rows, which hold nothing between forward calls
+    (``BackwardWorkspace.borrow_scratch``). The tensors replaced go back to
+    the caching allocator. Returns the bytes shared (0: none)."""
     other = _workspaces.get((*key[:1], not key[1], *key[2:]))
     if other is None:
         return 0
     mine, theirs = getattr(ws, "inner", ws), getattr(other, "inner", other)
-    if (mine.h.shape, mine.h.dtype, mine.h.device) != (theirs.h.shape, theirs.h.dtype, theirs.h.device):
-        return 0
-    mine.h = theirs.h
-    return mine.h.nbytes
+    shared = 0
+    if (mine.h.shape, mine.h.dtype, mine.h.device) == (theirs.h.shape, theirs.h.dtype, theirs.h.device):
+        mine.h = theirs.h
+        shared += mine.h.nbytes
+    if isinstance(ws, BackwardWorkspace) and isinstance(other, Workspace):
+        shared += ws.borrow_scratch(other.returned_region())
+    return shared
 
 
 def _interpreted_workspace(kind, group: dist.ProcessGroup, device: torch.device, sizes: dict):

@@ -7,7 +7,8 @@ Launched by ``test_gpu_op.py`` as
 raises on failure; the worker prints ``OP WORKER OK`` at the end.
 
 1. eager: fused == sequential bitwise, forward and every gradient, close to
-   the float64 oracle (bf16 tolerance), with a reused workspace;
+   the float64 oracle (bf16 tolerance), with a reused workspace, the
+   backward's dh1 in the forward workspace's returned rows;
 2. no device-to-host sync in the fused forward + backward (sync debug mode "error");
 3. ``torch.compile`` (inductor, one graph) of a module whose compute is the
    op: the eager bits, forward and every gradient, on two calls with new data;
@@ -130,7 +131,12 @@ def main():
         assert torch.equal(a, b), f"eager {name}: fused differs from sequential"
         assert torch.equal(b, c), f"eager {name}: a second fused call differs"
     check_float64(got["fused"], *data, w)
-    print("1. eager fused == sequential bitwise, close to float64", flush=True)
+    fwd_ws, bwd_ws = (next(v for k, v in op._workspaces.items() if k[1] == d) for d in (False, True))
+    offset = bwd_ws.dh1.data_ptr() - fwd_ws.arena.data_ptr() - fwd_ws.offsets["returned"]
+    assert 0 <= offset and offset + bwd_ws.dh1.nbytes <= fwd_ws.shape.arena_sizes()["returned"], \
+        "the backward's dh1 is not in the forward's returned rows"
+    print("1. eager fused == sequential bitwise, close to float64 (the backward's dh1 in the forward's returned rows)",
+          flush=True)
 
     # 2. No host sync on the fused path, forward and backward.
     without_host_sync(lambda: run(layers["fused"], *data))

@@ -31,6 +31,12 @@ def test_the_arena_is_symmetric_memory_outside_the_reserved_figure(one_rank_grou
         assert ws.symmetric_bytes == arena.numel() == ws.memory_bytes()["arena"] > 0
         assert not _in_a_caching_allocator_segment(arena.data_ptr())
         assert _in_a_caching_allocator_segment(getattr(ws, "inner", ws).h.data_ptr())
+    # The backward's call-local buffers the op moves into the forward's returned rows: symmetric memory too.
+    assert bwd.borrow_scratch(fwd.returned_region()) > 0
+    for name in bwd.CALL_SCRATCH:
+        ptr = getattr(bwd, name).data_ptr()
+        in_returned = 0 <= ptr - fwd.arena.data_ptr() - fwd.offsets["returned"] < fwd.shape.arena_sizes()["returned"]
+        assert in_returned != _in_a_caching_allocator_segment(ptr), name
     monkeypatch.setattr(op, "_workspaces", {"forward": fwd, "backward": bwd})
     assert op.symmetric_memory_bytes() == fwd.symmetric_bytes + bwd.symmetric_bytes
     # A simulated world's buffers are ordinary tensors: no symmetric memory.

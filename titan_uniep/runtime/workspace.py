@@ -365,6 +365,17 @@ class Workspace:
         them out."""
         return self.arena.numel() if self.handle is not None else 0
 
+    def returned_region(self) -> torch.Tensor | None:
+        """The ``returned`` buffer of this process's one rank, as bytes (None
+        where the workspace holds several ranks). Between two calls on it
+        nothing in it is live: each call's fc2 writes the rows its reduce
+        reads, and only peers' fc2 of a later call, after this rank has
+        dispatched that call's tokens, write it again."""
+        if self.num_local_ranks != 1:
+            return None
+        start = self.offsets["returned"]
+        return self.arena.view(-1)[start:start + self.shape.arena_sizes()["returned"]]
+
     def arena_view(self, local: int, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """This process's view of one arena buffer of local rank ``local`` (tests, poisoning)."""
         arena = self.arena if not self.is_simulated else self.arena[local]
@@ -582,7 +593,8 @@ class BackwardWorkspace:
     element): symmetric ``2 * W * T * D * b`` (token rows; none at W = 1) + ``T * K * R * b``
     (returned, ``R * b`` = ``D * b + 4`` rounded up to 128 bytes) + small index/flag buffers;
     local ``3 * S * H * b`` (``h``, ``dh1``, ``dh3``; ``titan_uniep.op`` gives it the
-    forward workspace's ``h``, scratch within a call in both) +
+    forward workspace's ``h``, scratch within a call in both, and at W = 1 moves what fits
+    of ``CALL_SCRATCH`` into the forward's returned rows: ``borrow_scratch``) +
     ``4 * S * cdiv(H, dh)`` + ``2 * S * D * b`` (slot rows) + ``4 * S * H``
     (``g32``) + the route arrays. Build it before CUDA-graph capture; reuse
     it for every layer and step.
@@ -604,6 +616,26 @@ class BackwardWorkspace:
         self.slot_rows = torch.empty(inner.num_local_ranks, 2, inner.shape.slot_capacity, self.dim,
                                      dtype=inner.shape.dtype, device=inner.device)
         self.g32 = torch.empty(inner.h.shape, dtype=torch.float32, device=inner.device)
+
+    CALL_SCRATCH = ("slot_rows", "g32", "dh1", "dh3")
+    """The local buffers whose contents live within one backward call."""
+
+    def borrow_scratch(self, region: torch.Tensor | None) -> int:
+        """Move the ``CALL_SCRATCH`` buffers that fit into ``region`` (bytes
+        nothing else holds while a backward call runs: the forward workspace's
+        ``Workspace.returned_region``), largest first, each 256-byte aligned;
+        their own tensors go back to the caching allocator. Returns the bytes
+        moved. A world of one rank only (0 otherwise: see ``docs/design.md``).
+        ``ensure_capacity`` reallocates them locally."""
+        if region is None or self.inner.shape.world_size != 1:
+            return 0
+        used = moved = 0
+        for name in sorted(self.CALL_SCRATCH, key=lambda n: -getattr(self, n).nbytes):
+            buf = getattr(self, name)
+            if used + buf.nbytes <= region.numel():
+                setattr(self, name, region[used:used + buf.nbytes].view(buf.dtype).view(buf.shape))
+                used, moved = _round_up(used + buf.nbytes, _ALIGN), moved + buf.nbytes
+        return moved
 
     def ds_parts_for(self, col_blocks: int) -> torch.Tensor:
         """The score-partial buffer for dH tiles of ``col_blocks`` column blocks
