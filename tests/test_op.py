@@ -141,9 +141,11 @@ def test_op_forward_and_backward_match_the_reference_schedule_and_float64(group,
 
 
 def test_the_forward_and_backward_workspaces_share_their_scratch_in_any_order_of_calls(group, poisoned_memory):
-    """One ``h`` serves both directions' workspaces and the backward's g32 lies in the forward's returned rows (scratch within a call):
-    two layers' forwards, then their backwards (as autograd runs a model),
-    give each layer's bits of its own forward and backward run alone."""
+    """One ``h`` serves both directions' workspaces, and the backward's ``g32``
+    lies in the forward's returned rows (scratch within a call): two layers'
+    forwards, then their backwards (as autograd runs a model), give each
+    layer's bits of its own forward and backward run alone, and the forwards
+    after them their first bits."""
     layers = [make_layer(11, 4, 2, seed=61), make_layer(11, 4, 2, seed=62)]
     alone = [run_op(w, group, "fused", False) for w in layers]
     fwd, bwd = (op._workspaces[k] for k in sorted(op._workspaces, key=lambda k: k[1]))
