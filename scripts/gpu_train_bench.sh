@@ -18,6 +18,10 @@
 #   long              the qwen3 pair for $LONG_STEPS steps (deterministic on, every step logged): UniEP fused
 #                     against the baseline (relative loss difference), fused against sequential (bitwise), and
 #                     the baseline against its own run with deterministic off (the spread to read that against)
+#   seeds             the long step's comparisons at other initialisations: per seed in $SEEDS (default
+#                     "11 23 42"), $LONG_STEPS steps of the baseline (deterministic on), of the baseline with
+#                     deterministic off and of UniEP fused, each compared with the first: how far TorchTitan's
+#                     runs differ from each other, and UniEP from TorchTitan, over several draws
 #   tuned             titan_uniep.tools.tune --config on the qwen3 UniEP config, then $LONG_STEPS steps with
 #                     [uniep] tuning = "cached" against the default point's fused run (bitwise)
 #   memory            the DeepSeek pair ($MEMORY_PAIR: qwen3 for the other), one run a side of 3 steps with
@@ -87,11 +91,25 @@ for step in ${STEPS:-qwen3 deepseek}; do
         # TorchTitan against itself (deterministic off): the spread the UniEP difference is read against.
         train train_configs/qwen3_30b_a3b_4l_baseline.toml "$OUT/long/baseline_nondeterministic" --debug.no-deterministic
         python3 -m titan_uniep.tools.compare_loss "$OUT/long/baseline" "$OUT/long/baseline_nondeterministic" \
-            --labels baseline "baseline, deterministic off" | tail -3
-        python3 -m titan_uniep.tools.compare_loss "$OUT/long/baseline" "$OUT/long/fused" --rtol 1e-2 \
-            --labels baseline "uniep fused" --plot "$OUT/long/fused_vs_baseline.png" | tail -8 || status=1
+            --window 10 --labels baseline "baseline, deterministic off" | tail -5
+        python3 -m titan_uniep.tools.compare_loss "$OUT/long/baseline" "$OUT/long/fused" --rtol 1e-2 --window 10 \
+            --labels baseline "uniep fused" --plot "$OUT/long/fused_vs_baseline.png" | tail -10 || status=1
         python3 -m titan_uniep.tools.compare_loss "$OUT/long/sequential" "$OUT/long/fused" --assert-bitwise \
             --labels sequential fused --plot "$OUT/long/fused_vs_sequential.png" | tail -4 || status=1 ;;
+    seeds)
+        for seed in ${SEEDS:-11 23 42}; do
+            dir=$OUT/seeds/seed$seed
+            mkdir -p "$dir"
+            train train_configs/qwen3_30b_a3b_4l_baseline.toml "$dir/baseline" --debug.seed "$seed"
+            train train_configs/qwen3_30b_a3b_4l_baseline.toml "$dir/baseline_nondeterministic" --debug.seed "$seed" \
+                --debug.no-deterministic
+            train train_configs/qwen3_30b_a3b_4l_uniep.toml "$dir/fused" --debug.seed "$seed"
+            echo "== seed $seed"
+            for run in baseline_nondeterministic fused; do
+                python3 -m titan_uniep.tools.compare_loss "$dir/baseline" "$dir/$run" --window 10 \
+                    --labels baseline "$run" | tail -5 | grep -v "^plot:"
+            done
+        done ;;
     memory)
         stem=$([ "${MEMORY_PAIR:-deepseek}" = qwen3 ] && echo qwen3_30b_a3b_4l || echo deepseek_v3_16b_4l)
         for side in baseline uniep; do

@@ -180,3 +180,36 @@ def test_runs_of_different_lengths_get_no_verdict(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "no verdict" in captured.err and "--max-step" in captured.err, captured.err
     assert "verdict:" not in captured.out and "within" not in captured.out, captured.out
+
+
+def test_direction_counts_the_steps_below_and_signs_the_mean(tmp_path, capsys):
+    a_losses = [float(x) for x in np.random.default_rng().uniform(3.0, 8.0, 9)]
+    factors = [1 - 2e-3, 1 + 1e-3, 1 - 4e-3, 1.0, 1 - 1e-3, 1 + 5e-4, 1 - 3e-3, 1 - 2e-3, 1 + 2e-3]
+    b_losses = [x * f for x, f in zip(a_losses, factors)]
+    a, b = write_dump(tmp_path / "a", a_losses), write_dump(tmp_path / "b", b_losses)
+    result = compare(load_run(a), load_run(b))
+    assert result.below == 5
+    assert result.mean_signed_rel == pytest.approx(sum(f - 1 for f in factors) / 9, rel=1e-6)
+    assert result.mean_rel > abs(result.mean_signed_rel)
+    assert run_main(a, b, "--labels", "base", "other", "--plot", tmp_path / "p.png") == 0
+    out = capsys.readouterr().out
+    assert f"other below base at 5 of 9 steps (56%), mean signed rel diff {result.mean_signed_rel:.3e}" in out
+
+
+def test_window_averages_blocks_of_common_steps(tmp_path, capsys):
+    rng = np.random.default_rng()
+    a_losses = [float(x) for x in rng.uniform(3.0, 8.0, 7)]
+    # Noise that cancels within each pair of steps, plus a drift in the last (short) block.
+    b_losses = [a_losses[0] + 0.05, a_losses[1] - 0.05, a_losses[2] - 0.08, a_losses[3] + 0.08,
+                a_losses[4] + 0.01, a_losses[5] - 0.01, a_losses[6] + 0.03]
+    a, b = write_dump(tmp_path / "a", a_losses), write_dump(tmp_path / "b", b_losses)
+    ra, rb = load_run(a), load_run(b)
+    steps = compare(ra, rb).steps
+    from titan_uniep.tools.compare_loss import window_max_rel
+
+    assert window_max_rel(ra, rb, steps, 2) == pytest.approx(0.03 / a_losses[6], rel=1e-9)
+    assert window_max_rel(ra, rb, steps, 1) == pytest.approx(compare(ra, rb).max_rel, rel=1e-12)
+    assert run_main(a, b, "--window", "2", "--plot", tmp_path / "p.png") == 0
+    assert f"max rel diff of 2-step means {0.03 / a_losses[6]:.3e}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run_main(a, b, "--window", "0")

@@ -1,14 +1,18 @@
 """Compare the loss curves of two training runs, step by step.
 
     python3 -m titan_uniep.tools.compare_loss RUN_A RUN_B [--assert-bitwise]
-        [--rtol X] [--atol X] [--max-step N] [--plot out.png] [--labels A B]
+        [--rtol X] [--atol X] [--max-step N] [--window N] [--plot out.png] [--labels A B]
 
 A run is a dump folder (its ``loss.jsonl``, written by ``titan_uniep.torchtitan.train``:
 exact float losses) or a file: a ``loss.jsonl`` or a TorchTitan log, whose
 ``step: N  loss: X.XXXXX`` lines carry only 5 decimals, so from a log only
 "equal to 5 decimals" can be claimed, never bitwise equality.
 
-Prints a per-step table, the largest absolute and relative differences and a
+Prints a per-step table, the largest absolute and relative differences, the
+direction (at how many steps RUN_B is below RUN_A, and the mean signed relative
+difference: a difference that keeps one sign is a drift, not noise), with
+``--window N`` the largest relative difference of the two runs' N-step means
+(consecutive blocks of N common steps, the last one possibly shorter), and a
 verdict, and writes a plot of both curves and their difference with the
 verdict in its title (default: ``loss_<A>_vs_<B>.png`` in RUN_B's folder,
 A and B the runs' folder names or ``--labels``; ``--plot``/``--out`` names
@@ -60,6 +64,10 @@ class Comparison:
     max_rel: float
     mean_rel: float
     """Mean of the per-step relative differences (NaN as ``max_rel``; 0.0 without common steps)."""
+    mean_signed_rel: float
+    """Mean of ``(b - a) / |a|`` per step: negative when RUN_B's loss is lower on the whole."""
+    below: int
+    """Common steps where RUN_B's loss is below RUN_A's."""
     nan_steps: list[int]
     """Common steps where either run's loss is NaN (never equal)."""
     bitwise: bool
@@ -105,6 +113,10 @@ def _rel(a: float, b: float) -> float:
     return abs(b - a) / abs(a) if a != 0 else math.inf
 
 
+def _signed_rel(a: float, b: float) -> float:
+    return 0.0 if _same(a, b) else (b - a) / abs(a) if a != 0 else math.copysign(math.inf, b - a)
+
+
 def _max(values) -> float:
     values = list(values)
     return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
@@ -124,10 +136,30 @@ def compare(a: Run, b: Run) -> Comparison:
         max_abs=_max(_abs(x, y) for x, y in pairs),
         max_rel=_max(rel),
         mean_rel=math.fsum(rel) / len(rel) if rel else 0.0,
+        mean_signed_rel=math.fsum(_signed_rel(x, y) for x, y in pairs) / len(pairs) if pairs else 0.0,
+        below=sum(y < x for x, y in pairs),
         nan_steps=[s for s, (x, y) in zip(steps, pairs) if math.isnan(x) or math.isnan(y)],
         bitwise=all(_same(x, y) for x, y in pairs),
         exact=exact,
     )
+
+
+def window_max_rel(a: Run, b: Run, steps: list[int], window: int) -> float:
+    """Largest relative difference of the runs' means over consecutive blocks of ``window``
+    common steps (the last block may be shorter): the drift between the curves with the
+    step-to-step noise of each averaged out."""
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    worst = 0.0
+    for start in range(0, len(steps), window):
+        block = steps[start:start + window]
+        mean_a = math.fsum(a.losses[s] for s in block) / len(block)
+        mean_b = math.fsum(b.losses[s] for s in block) / len(block)
+        rel = _rel(mean_a, mean_b)
+        if math.isnan(rel):
+            return math.nan
+        worst = max(worst, rel)
+    return worst
 
 
 def within(a: Run, b: Run, steps: list[int], rtol: float, atol: float) -> bool:
@@ -204,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="PNG to write (default: loss_<A>_vs_<B>.png in RUN_B's folder)")
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="names for the two runs (default: their folders)")
     parser.add_argument("--max-step", type=int, help="compare steps up to this one only")
+    parser.add_argument("--window", type=int, metavar="N",
+                        help="also print the largest relative difference of the runs' N-step means")
     args = parser.parse_args(argv)
+    if args.window is not None and args.window < 1:
+        parser.error(f"--window must be at least 1, got {args.window}")
 
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
@@ -224,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     spread = (f"max abs diff {result.max_abs:.3e}, max rel diff {result.max_rel:.3e}, "
               f"mean rel diff {result.mean_rel:.3e}")
     print(f"{spread} over {len(result.steps)} steps")
+    print(f"{labels[1]} below {labels[0]} at {result.below} of {len(result.steps)} steps "
+          f"({100 * result.below / len(result.steps):.0f}%), mean signed rel diff {result.mean_signed_rel:.3e}")
+    if args.window is not None:
+        print(f"max rel diff of {args.window}-step means {window_max_rel(a, b, result.steps, args.window):.3e}")
     if result.nan_steps:
         print(f"NaN loss at steps {result.nan_steps}: a NaN equals nothing, not even another NaN")
 
