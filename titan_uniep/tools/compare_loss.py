@@ -10,7 +10,7 @@ exact float losses) or a file: a ``loss.jsonl`` or a TorchTitan log, whose
 
 Prints a per-step table, the largest absolute and relative differences, the
 direction (at how many steps RUN_B is below RUN_A, and the mean signed relative
-difference: a difference that keeps one sign is a drift, not noise), with
+difference: whether one run's loss is lower on the whole), with
 ``--window N`` the largest relative difference of the two runs' N-step means
 (consecutive blocks of N common steps, the last one possibly shorter), and a
 verdict, and writes a plot of both curves and their difference with the
