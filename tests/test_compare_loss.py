@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from titan_uniep.tools.compare_loss import compare, load_run, main
+from titan_uniep.tools.compare_loss import compare, load_run, main, window_max_rel
 
 LOSSES = [8.080501556396484, 7.932784557342529, 7.349606513977051]
 
@@ -205,8 +205,6 @@ def test_window_averages_blocks_of_common_steps(tmp_path, capsys):
     a, b = write_dump(tmp_path / "a", a_losses), write_dump(tmp_path / "b", b_losses)
     ra, rb = load_run(a), load_run(b)
     steps = compare(ra, rb).steps
-    from titan_uniep.tools.compare_loss import window_max_rel
-
     assert window_max_rel(ra, rb, steps, 2) == pytest.approx(0.03 / a_losses[6], rel=1e-9)
     assert window_max_rel(ra, rb, steps, 1) == pytest.approx(compare(ra, rb).max_rel, rel=1e-12)
     assert run_main(a, b, "--window", "2", "--plot", tmp_path / "p.png") == 0
