@@ -186,6 +186,8 @@ class LayerParams:
     """Testing only, race mode: the seed of which rows are delivered (>= 0)."""
     debug_wait_slack: int = 0
     """Testing only: every tile-rows and token-rows wait target is lowered by this many arrivals (>= 0): a race on a GPU, which race mode must catch."""
+    debug_epoch_store_delay_us: int = 0
+    """Testing only (GPU): the counts exchange's collecting program stores the call's epoch this many microseconds late in its first warp (>= 0), so its other warps run ahead of the store."""
 
     def replace(self, **changes) -> "LayerParams":
         return dataclasses.replace(self, **changes)
@@ -210,9 +212,9 @@ class LayerParams:
             raise ValueError(f"LayerParams.local_first_experts must be in [0, 1], got {self.local_first_experts}")
         if not 0.0 < self.debug_race_keep <= 1.0:
             raise ValueError(f"LayerParams.debug_race_keep must be in (0, 1], got {self.debug_race_keep}")
-        if self.debug_race_seed < 0 or self.debug_wait_slack < 0:
-            raise ValueError(f"LayerParams.debug_race_seed and debug_wait_slack must be >= 0, got "
-                             f"{self.debug_race_seed} and {self.debug_wait_slack}")
+        for name in ("debug_race_seed", "debug_wait_slack", "debug_epoch_store_delay_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LayerParams.{name} must be >= 0, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from .scoreboard import (
     CONTROL_WORDS,
@@ -393,6 +394,19 @@ def route_layout_kernel(
         tl.store(dest_tile_ptr + out, tl.where(valid, tile, 0), mask=mask)
 
 
+@triton.jit
+def delay_first_warp(microseconds: tl.constexpr):
+    """Testing only: the first warp of the program (thread 0, which issues a
+    scalar store) spins ``microseconds`` on the timer while the others go
+    on; returns 0, for a value the delayed store depends on. GPU only."""
+    tid = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    start = globaltimer()
+    elapsed = start - start
+    while (tid < 32) & (elapsed < microseconds * 1000):
+        elapsed = globaltimer() - start
+    return elapsed * 0
+
+
 @triton.jit(do_not_specialize=["anchor_rank", "rank_base", "timeout", "own_experts"])
 def exchange_counts_kernel(
     block_counts_ptr,  # (L, NB, E) int32: per-block histograms in, exclusive prefixes out (kernels.route)
@@ -422,6 +436,7 @@ def exchange_counts_kernel(
     SB: tl.constexpr,  # blocks per step of a part's scan
     CB: tl.constexpr,  # tiles per step of the tile table
     TILE_ORDER: tl.constexpr = False,  # also write tile_order (LayerParams.local_first)
+    EPOCH_STORE_DELAY_US: tl.constexpr = 0,  # LayerParams.debug_epoch_store_delay_us (testing only)
 ):
     """Program (l, p): part p of local rank l; the parts split the experts in
     columns of ``EP // PARTS``.
@@ -432,10 +447,11 @@ def exchange_counts_kernel(
     and writes their totals into every rank's table ``[epoch % 2][rank]``
     (``epoch``: this call's, the current one + 1), then takes a ticket (an
     acquire-release add at system scope on ``CTL_COUNT_PARTS``). The part
-    that takes the last ticket has seen every part's stores: it zeroes the
-    task counters (the ticket with them), bumps the epoch and releases this
-    rank's flag in every rank's arena with it. That release also orders the
-    zeroing before any peer's next bump. Two tables, by epoch parity: a peer
+    that takes the last ticket has seen every part's stores: it releases
+    this rank's flag in every rank's arena with the epoch (which also orders
+    the zeroing before any peer's next bump), then zeroes the task counters
+    (the ticket with them) and stores the epoch, for this rank's later
+    launches. Two tables, by epoch parity: a peer
     may publish call N+1 while this rank still reads call N's table, never N+2
     (publishing N+2 needs this rank's flag of N+1).
 
@@ -481,14 +497,23 @@ def exchange_counts_kernel(
         ticket = tl.atomic_add(control + _CTL_COUNT_PARTS, 1, sem="acq_rel", scope="sys")
         collector = ticket == PARTS - 1
         if collector:
-            tl.store(control + offs, 0, mask=(offs < _CTL_ERROR) & (offs != _CTL_EPOCH))  # every task counter
-            tl.store(control + _CTL_EPOCH, epoch)
             for peer in range(WORLD):
                 flags = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.count_flags)
                 tl.atomic_xchg(flags + parity * WORLD + rank, epoch, sem="release", scope="sys")
+            # This rank's own words, read by its later launches (after this one ends):
+            # no peer needs them before the flags.
+            tl.store(control + offs, 0, mask=(offs < _CTL_ERROR) & (offs != _CTL_EPOCH))  # every task counter
+            if EPOCH_STORE_DELAY_US > 0:  # testing only: the storing warp comes late
+                epoch += delay_first_warp(EPOCH_STORE_DELAY_US)
+            tl.store(control + _CTL_EPOCH, epoch)
     if COLLECT:
         if collector:
-            epoch = tl.load(control + _CTL_EPOCH)
+            if not PUBLISH:  # (the epoch a PUBLISH launch stored)
+                epoch = tl.load(control + _CTL_EPOCH)
+            # else the epoch this program published, in every thread's registers: the scalar
+            # store above is one thread's, and other warps reading the word back (no barrier
+            # between) could see the last call's epoch, take the other table and pass the
+            # wait on the last call's flags.
             parity = epoch % 2
             flags = arena_ptr(arena.i64, arena, anchor_rank, rank, arena.count_flags) + parity * WORLD
             abort = abort_word(arena, anchor_rank, rank)

@@ -16,7 +16,11 @@ peer wrote it.
 
 Every spin is bounded (``timeout``: microseconds of ``%globaltimer`` on the
 GPU, polls under the interpreter; an int32 either way, so changing it never
-recompiles). A wait that runs out writes the rank's *error record* (the first
+recompiles). Every decision that ends a wait or skips a task is the
+program's, not a thread's: the timer, a scalar load and a block's copies
+held by several threads can differ between warps, and the code around
+holds barriers, so such values pass ``cta_any`` (a barrier with an OR over
+the program's threads) before they decide. A wait that runs out writes the rank's *error record* (the first
 failure wins) and the task is skipped; every later task of that rank sees the
 record and skips too, so a missing peer costs one bounded wait per program,
 never a hang. The host turns the record into a RuntimeError.
@@ -57,6 +61,7 @@ typed anchors, the element offset of each buffer, the capacities) and
 
 Shared task helpers, in the order a megakernel uses them:
 
+- ``cta_any``: a per-thread value made the program's (``has_failed``, the waits);
 - ``claim_task``: the next task id of one task kind (relaxed atomic);
 - ``dispatch_tasks`` / ``dispatch_task``: copy a block of tokens' rows once
   to every rank owning one of their experts (rows of one or two ``D``-wide
@@ -74,6 +79,7 @@ Shared task helpers, in the order a megakernel uses them:
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -142,6 +148,10 @@ _CTL_OWN_DISPATCH_TASKS = tl.constexpr(CTL_OWN_DISPATCH_TASKS)
 _WAIT_TILE_ROWS = tl.constexpr(WAIT_TILE_ROWS)
 _WAIT_TOKEN_ROWS = tl.constexpr(WAIT_TOKEN_ROWS)
 _BAD_SLOT = tl.constexpr(BAD_SLOT)
+# Whether the kernels compile for a GPU (``titan_uniep.kernels`` sets TRITON_INTERPRET
+# without CUDA, before any kernel is defined): the interpreter runs a program as one
+# thread, where every value is the program's and no barrier exists.
+_ON_GPU = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 class Arena(NamedTuple):
@@ -213,9 +223,32 @@ def arena_ptr(anchor, arena, anchor_rank, rank, offset):
 
 
 @triton.jit
+def cta_any(flag):
+    """Whether ``flag`` (an int scalar, each thread its own) is nonzero in any
+    thread of the program, as an int32 0 / 1 that every thread holds alike.
+
+    A scalar ``tl.load`` is issued by every thread, and the timer is read by
+    every thread: warps can see different values. A branch or a loop exit
+    that such a value decides, around code that holds a barrier (a
+    broadcast atomic, ``tl.sum``, ``tl.debug_barrier``), must take it from
+    here: ``bar.red.or``, itself a barrier, so every thread of the program
+    calls it (never under a branch the threads may disagree on). The
+    interpreter runs a program as one thread: there it is ``flag != 0``."""
+    if _ON_GPU:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred %any_in, %any_out; setp.ne.s32 %any_in, $1, 0; bar.red.or.pred %any_out, 0, %any_in; "
+            "selp.s32 $0, 1, 0, %any_out; }",
+            "=r,r", [(flag != 0).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return (flag != 0).to(tl.int32)
+
+
+@triton.jit
 def has_failed(control):
-    """Whether this rank's error record is set (then its tasks are skipped)."""
-    return (tl.load(control + _CTL_ERROR, volatile=True) != 0).to(tl.int32)
+    """Whether this rank's error record is set (then its tasks are skipped):
+    the same answer in every thread (``cta_any``), since another program may
+    set the record while this one's warps read it."""
+    return cta_any(tl.load(control + _CTL_ERROR, volatile=True))
 
 
 @triton.jit
@@ -229,7 +262,9 @@ def abort_word(arena, anchor_rank, rank):
 def record_failure(control, rank, task, what, index, expected, seen, flag):
     """Fill this rank's error record unless an earlier failure did (``flag``:
     ``FAILED`` or ``STOPPED``)."""
-    if tl.atomic_cas(control + _CTL_ERROR, tl.full([], 0, tl.int64), tl.full([], flag, tl.int64)) == 0:
+    # (a claim on this rank's own record: the record is read by the host after the kernel)
+    if tl.atomic_cas(control + _CTL_ERROR, tl.full([], 0, tl.int64), tl.full([], flag, tl.int64), sem="relaxed",
+                     scope="gpu") == 0:
         tl.store(control + _CTL_ERROR + 1, rank)
         tl.store(control + _CTL_ERROR + 2, task)
         tl.store(control + _CTL_ERROR + 3, what)
@@ -251,7 +286,9 @@ def fail_world(control, arena, anchor_rank, rank, task, what, index, expected, s
     record_failure(control, rank, task, what, index, expected, seen, _FAILED)
     claim = arena_ptr(arena.i64, arena, anchor_rank, 0, arena.abort)  # (the claim is word 0)
     code = rank.to(tl.int64) + 1
-    if tl.atomic_cas(claim, tl.full([], 0, tl.int64), code, sem="acq_rel", scope="sys") == 0:
+    # Relaxed: the claim carries no data (the record goes out with the abort words'
+    # release below, a loser reads it after its own abort word's acquire).
+    if tl.atomic_cas(claim, tl.full([], 0, tl.int64), code, sem="relaxed", scope="sys") == 0:
         epoch = tl.load(control + _CTL_EPOCH)
         for peer in range(WORLD):
             words = arena_ptr(arena.i64, arena, anchor_rank, peer, arena.abort) + _ABORT_RECORD
@@ -287,8 +324,13 @@ def wait_failed(control, arena, anchor_rank, rank, task, what, index, expected, 
 def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.constexpr, SCOPE: tl.constexpr):
     """Poll ``*counter`` (acquire at ``SCOPE``: ``sync_scope``) until it reaches ``expected``,
     ``timeout`` passes or the abort word ``*abort`` is set; returns the last
-    value seen and the last abort word read (nonzero: the wait stopped on it;
-    the abort word is read only while the counter is short)."""
+    value seen and whether the wait stopped on the abort word (1 / 0; the
+    abort word is read only while the counter is short).
+
+    The acquire is one thread's, broadcast through shared memory behind a
+    barrier, so ``seen`` is every thread's; the timer and the abort word are
+    read by every thread, so whether to poll again is decided by
+    ``cta_any`` over them: every thread leaves the loop at the same poll."""
     seen = tl.atomic_add(counter, 0, sem="acquire", scope=SCOPE)
     if USE_TIMER:
         start = globaltimer()
@@ -298,15 +340,18 @@ def wait_counter_at_least(counter, expected, abort, timeout, USE_TIMER: tl.const
         limit = timeout.to(tl.int64)
     elapsed = start - start
     stop = tl.full([], 0, tl.int64)
-    while (seen < expected) & (elapsed < limit) & (stop == 0):
+    waiting = (seen < expected) & (cta_any(elapsed >= limit) == 0)  # (a zero bound: one poll, race mode)
+    while waiting:
         seen = tl.atomic_add(counter, 0, sem="acquire", scope=SCOPE)
         stop = tl.load(abort, volatile=True)
         if USE_TIMER:
             elapsed = globaltimer() - start
         else:
             elapsed += 1
+        waiting = (seen < expected) & (cta_any((stop != 0) | (elapsed >= limit)) == 0)
+    stopped = cta_any(stop)
     tl.debug_barrier()
-    return seen, stop
+    return seen, stopped
 
 
 @triton.jit
@@ -314,7 +359,13 @@ def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: 
                            SCOPE: tl.constexpr):
     """Block version of ``wait_counter_at_least``: poll every ``counters[i]``
     under ``mask`` until all reach ``expected`` (or the timeout, or the abort
-    word); returns the values seen and the last abort word read."""
+    word); returns the values seen and whether it stopped on the abort word.
+
+    A block's elements may be held by several threads each (a block smaller
+    than the program), each polling its own copy: the loop goes on while any
+    thread still misses a counter and no thread gave up (``cta_any``), so
+    every thread leaves it at the same poll, and a caller decides from
+    ``cta_any`` of what its own copies show."""
     seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope=SCOPE)
     missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
     if USE_TIMER:
@@ -325,7 +376,8 @@ def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: 
         limit = timeout.to(tl.int64)
     elapsed = start - start
     stop = tl.full([], 0, tl.int64)
-    while (missing > 0) & (elapsed < limit) & (stop == 0):
+    waiting = (cta_any(missing) != 0) & (cta_any(elapsed >= limit) == 0)
+    while waiting:
         seen = tl.atomic_add(counters, 0, mask=mask, sem="acquire", scope=SCOPE)
         missing = tl.sum(tl.where(mask & (seen < expected), 1, 0))
         stop = tl.load(abort, volatile=True)
@@ -333,8 +385,10 @@ def wait_counters_at_least(counters, mask, expected, abort, timeout, USE_TIMER: 
             elapsed = globaltimer() - start
         else:
             elapsed += 1
+        waiting = (cta_any(missing) != 0) & (cta_any((stop != 0) | (elapsed >= limit)) == 0)
+    stopped = cta_any(stop)
     tl.debug_barrier()
-    return tl.where(mask, seen, expected), stop
+    return tl.where(mask, seen, expected), stopped
 
 
 # ---- race mode (testing only) ---------------------------------------------------
@@ -359,7 +413,7 @@ def race_draw(control, key, salt):
 def race_note(control, kind, field):
     """Race mode: count one task of wait kind ``kind`` (0 tile rows, 1 token
     rows) as skipped, passed or violating (``field``)."""
-    tl.atomic_add(control + _RACE_COUNTS + kind * 3 + field, 1, sem="relaxed")
+    tl.atomic_add(control + _RACE_COUNTS + kind * 3 + field, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -367,7 +421,8 @@ def race_violation(control, kind, what, task, index, row):
     """Race mode: a task passed its wait but row ``row`` (a slot, or a
     returned row) had not arrived; count it and keep the first."""
     race_note(control, kind, _RACE_VIOLATIONS)
-    if tl.atomic_cas(control + _RACE_FIRST, tl.full([], 0, tl.int64), tl.full([], what, tl.int64)) == 0:
+    if tl.atomic_cas(control + _RACE_FIRST, tl.full([], 0, tl.int64), tl.full([], what, tl.int64), sem="relaxed",
+                     scope="gpu") == 0:
         tl.store(control + _RACE_FIRST + 1, task)
         tl.store(control + _RACE_FIRST + 2, index)
         tl.store(control + _RACE_FIRST + 3, row)
@@ -405,7 +460,7 @@ def claim_task(control_row0, which):
     own release / acquire counter), and an acq_rel atomic here costs a memory
     barrier plus an L1 invalidation per task, the barrier waiting for the
     previous task's stores, remote ones included."""
-    return tl.atomic_add(control_row0 + which, 1, sem="relaxed").to(tl.int32)
+    return tl.atomic_add(control_row0 + which, 1, sem="relaxed", scope="gpu").to(tl.int32)
 
 
 @triton.jit
@@ -633,7 +688,7 @@ def race_slots_arrived(arena, anchor_rank, rank, control, task, tile, m0, m1, BM
     mask = (offs < m1) & (offs < arena.slot_capacity)
     stamps = arena_ptr(arena.i32, arena, anchor_rank, rank, arena.slot_stamps)
     missing = mask & (tl.load(stamps + offs, mask=mask, other=0, cache_modifier=".cg") != epoch)
-    arrived = tl.max(missing.to(tl.int32)) == 0
+    arrived = cta_any(tl.max(missing.to(tl.int32))) == 0
     if arrived:
         race_note(control, 0, _RACE_PASSED)
     else:
@@ -714,7 +769,7 @@ def wait_token_rows(arena, anchor_rank, rank, control, task, offs_t, mask_t, exp
     seen, stopped = wait_counters_at_least(arrivals, mask_t, target, abort_word(arena, anchor_rank, rank), timeout,
                                            USE_TIMER, SCOPE)
     short = mask_t & (seen < target)
-    failed = tl.max(short.to(tl.int32)) > 0
+    failed = cta_any(tl.max(short.to(tl.int32))) != 0  # (each thread judges the copies it holds)
     if failed:
         if RACE:
             race_note(control, 1, _RACE_SKIPPED)
@@ -746,7 +801,7 @@ def race_rows_arrived(arena, anchor_rank, rank, control, task, offs_t, mask_t, T
             stamp = tl.load(stamps + rows.to(tl.int64) * COL_BLOCKS + col_block, mask=mask_t, other=0,
                             cache_modifier=".cg")
             first = tl.minimum(first, tl.min(tl.where(mask_t & (stamp != epoch), rows, 1 << 30)))
-    arrived = first == 1 << 30
+    arrived = cta_any(first != 1 << 30) == 0
     if arrived:
         race_note(control, 1, _RACE_PASSED)
     else:

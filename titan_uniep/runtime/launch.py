@@ -272,7 +272,7 @@ def exchange_counts(ws: Workspace, params: LayerParams, *, publish: bool = True,
         TOKEN_CAPACITY=s.token_capacity, BLOCK=1024, USE_TIMER=use_timer(ws), num_warps=4,
         TOP_K=s.top_k, EP=experts, ELP=triton.next_power_of_2(s.num_local_experts), BM=s.block_m,
         ROUTE_BLOCK=route_block(s.num_experts), PARTS=parts, SB=max(1, 8192 * parts // experts), CB=TILE_CB,
-        TILE_ORDER=params.local_first,
+        TILE_ORDER=params.local_first, EPOCH_STORE_DELAY_US=params.debug_epoch_store_delay_us,
     )
     ranks = ws.num_local_ranks
     if ranks > 1:

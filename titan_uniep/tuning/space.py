@@ -224,6 +224,7 @@ FIELDS: dict[str, Field] = {
     "debug_race": Field("fixed", (False,), "all"),
     "debug_race_keep": Field("fixed", (0.9,), "all"),
     "debug_race_seed": Field("fixed", (0,), "all"),
+    "debug_epoch_store_delay_us": Field("fixed", (0,), "all"),
 }
 
 _missing = {f.name for f in dataclasses.fields(LayerParams)} ^ set(FIELDS)
