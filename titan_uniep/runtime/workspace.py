@@ -43,13 +43,22 @@ Flags are never reset by a memset-and-barrier: each call's exchange bumps a
 per-rank epoch, publishes its counts tagged with it, and zeroes this rank's
 own arrival counters before releasing them (see ``kernels.scoreboard``).
 
-Two ways to build one:
+Three ways to build one:
 
 - ``Workspace.for_group(group, ...)``: real EP, one process per GPU, arenas
-  from ``torch.distributed._symmetric_memory`` (CUDA backend).
+  from ``torch.distributed._symmetric_memory`` (CUDA backend). Every rank
+  must build the same shape (the kernels index a peer's arena with their
+  own offsets): ``agree_on_shape`` takes the group's largest token capacity
+  and refuses any other difference, before anything is allocated.
+- ``Workspace.ranks_in_process(world_size, ...)``: real-rank mode on one
+  device, one workspace per rank, each with its own arena (a separate
+  allocation), route arrays and control words, as ``for_group`` builds them
+  on W GPUs; each rank's calls launch exactly the binaries a real rank
+  launches (one rank per launch, system scope). Testing and stress runs
+  (``titan_uniep.tools.real_ranks``).
 - ``Workspace.simulated(world_size, ...)``: every rank's buffers in this
   process (CPU interpreter or one GPU); the "peer pointers" are the other
-  ranks' tensors. The kernels cannot tell the difference.
+  ranks' tensors. One launch runs the whole world.
 
 Error checks: a kernel that times out leaves a record in the control words
 and stops every rank through the abort words (``kernels.scoreboard``): each
@@ -98,7 +107,7 @@ from ..kernels.scoreboard import (
 from ..layout import slot_capacity, tile_capacity
 from ..params import LayerParams, default_params
 
-__all__ = ["BackwardWorkspace", "Workspace", "WorkspaceShape", "backward_returned_row", "memory_bytes"]
+__all__ = ["BackwardWorkspace", "Workspace", "WorkspaceShape", "agree_on_shape", "backward_returned_row", "memory_bytes"]
 
 _ALIGN = 256
 # Element type of each arena buffer (None: the activation dtype).
@@ -193,6 +202,35 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def agree_on_shape(shape: WorkspaceShape, params: LayerParams, group: dist.ProcessGroup) -> WorkspaceShape:
+    """The shape every rank of ``group`` builds: the group's largest token
+    capacity, every other field (and every ``LayerParams`` field, which sets
+    the tiles and the arrivals a peer waits for) the same on every rank, else
+    a ValueError naming what differs on which ranks. Collective (a host
+    sync): call it where the workspace is built, outside the step."""
+    mine = {**shape.__dict__, "dtype": str(shape.dtype), "params": params}
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    differ = []
+    for name, value in mine.items():
+        if name == "token_capacity":
+            continue
+        seen = [rank_fields[name] for rank_fields in every]
+        if any(v != value for v in seen):
+            if name == "params":
+                fields = [f for f in params.__dataclass_fields__ if len({getattr(p, f) for p in seen}) > 1]
+                seen = [{f: getattr(p, f) for f in fields} for p in seen]
+            differ.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(seen)))
+    if differ:
+        raise ValueError(
+            "UniEP workspaces must have the same shape and parameters on every EP rank (a kernel addresses its "
+            "peers' buffers with its own offsets and waits for as many arrivals as its own tiles send), but "
+            + "; ".join(differ) + ". Build every rank's layer with the same dim, hidden dim, experts, top-k, dtype "
+            "and [uniep] settings (tuning cache included).")
+    most = max(rank_fields["token_capacity"] for rank_fields in every)
+    return WorkspaceShape(**{**shape.__dict__, "token_capacity": most})
+
+
 _FORWARD_WAITS = {
     WAIT_COUNTS_FLAG: "the counts exchange, waiting for rank {index}'s per-expert counts (count_flags[{index}])",
     WAIT_TILE_ROWS: "dispatch_fc1 (fc1 tile), waiting for the dispatched rows of tile {index} (tile_arrivals[{index}])",
@@ -213,7 +251,8 @@ class Workspace:
     ``for_group`` or ``simulated``; never inside CUDA-graph capture."""
 
     def __init__(self, *, shape: WorkspaceShape, rank_base: int, num_local_ranks: int, device: torch.device,
-                 params: LayerParams, group: dist.ProcessGroup | None):
+                 params: LayerParams, group: dist.ProcessGroup | None,
+                 peer_arenas: list[torch.Tensor] | None = None):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("UniEP Workspace must be built before CUDA-graph capture, not inside it")
         if shape.dtype not in SUPPORTED_DTYPES:
@@ -230,6 +269,7 @@ class Workspace:
         self.device = device
         self.params = params
         self.group = group
+        self.peer_arenas = peer_arenas  # ranks_in_process: every rank's arena, this rank's at [rank_base]
         # Which pass's kernels use it and what their waits mean (error messages).
         self.error_context: tuple[str, dict[int, str]] = ("forward", _FORWARD_WAITS)
         self._allocate()
@@ -254,8 +294,37 @@ class Workspace:
         params = params or default_params(world_size, hidden=hidden)
         shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
                                params.debug_race, returned_row)
+        shape = agree_on_shape(shape, params, group)
         return cls(shape=shape, rank_base=dist.get_rank(group), num_local_ranks=1, device=device, params=params,
                    group=group)
+
+    @classmethod
+    def ranks_in_process(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int,
+                         top_k: int, dtype: torch.dtype, device: torch.device | str,
+                         params: LayerParams | None = None, returned_row: int = 0,
+                         seed: int = 0) -> list["Workspace"]:
+        """Real-rank mode on one device: one workspace per EP rank, as
+        ``for_group`` builds them on ``world_size`` GPUs, in this process.
+        Each rank has its own arena, a separate allocation, made in an order
+        shuffled by ``seed`` (whatever the order, a peer's arena lies below
+        some rank's own: the kernels' peer offsets are negative too), its own route
+        arrays and control words, and the table of every rank's arena
+        address; a call on one launches one rank (``NUM_LOCAL`` 1) at system
+        scope, exactly the binaries a rank of a real group launches. Run each
+        rank's calls on a stream of its own, with grids that let every
+        rank's programs be resident together (``LayerParams.num_programs``:
+        the SMs over ``world_size``). The workspaces cannot grow."""
+        params = params or default_params(world_size, hidden=hidden)
+        device = torch.device(device)
+        shape = WorkspaceShape(world_size, num_tokens, dim, hidden, num_experts, top_k, dtype, params.block_m,
+                               params.debug_race, returned_row)
+        _, nbytes = shape.arena_offsets()
+        raws: list[torch.Tensor | None] = [None] * world_size
+        for rank in torch.randperm(world_size, generator=torch.Generator().manual_seed(seed)).tolist():
+            raws[rank] = torch.zeros(nbytes + _ALIGN, dtype=torch.uint8, device=device)
+        arenas = [raw[-raw.data_ptr() % _ALIGN:][:nbytes] for raw in raws]
+        return [cls(shape=shape, rank_base=rank, num_local_ranks=1, device=device, params=params, group=None,
+                    peer_arenas=arenas) for rank in range(world_size)]
 
     @classmethod
     def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
@@ -284,6 +353,10 @@ class Workspace:
             # Every arena is zeroed (flags below the first epoch) before any peer writes.
             torch.cuda.synchronize(dev)
             dist.barrier(group=self.group, device_ids=[dev.index])
+        elif self.peer_arenas is not None:
+            self.handle = None
+            self.arena = self.peer_arenas[self.rank_base]
+            self.arena_ptrs = torch.tensor([a.data_ptr() for a in self.peer_arenas], dtype=torch.int64, device=dev)
         else:
             self.handle = None
             # Kernels round arena bases down to 256 bytes (alignment hint): align them.
@@ -296,7 +369,7 @@ class Workspace:
         # Kernels address every arena as typed pointer anchor + delta (see kernels.scoreboard.arena_ptr):
         # the anchor is this rank's arena (real EP) or rank 0's (simulated world).
         self.anchor_rank = self.rank_base
-        anchor = self.arena if self.group is not None else self.arena[0]
+        anchor = self.arena if not self.is_simulated else self.arena[0]
         self.anchors = {dt: anchor.view(dt) for dt in {shape.dtype, torch.int32, torch.float32, torch.int64}}
         self.element_offsets = {
             name: self.offsets[name] // torch.empty((), dtype=dt or shape.dtype).element_size()
@@ -343,7 +416,8 @@ class Workspace:
 
     @property
     def is_simulated(self) -> bool:
-        return self.group is None
+        """Whether one launch runs every rank of the world (``simulated``)."""
+        return self.group is None and self.peer_arenas is None
 
     @property
     def rank(self) -> int:
@@ -407,6 +481,9 @@ class Workspace:
             num_tokens = int(wanted.item())
         if num_tokens <= self.shape.token_capacity:
             return False
+        if self.peer_arenas is not None:
+            raise ValueError("workspaces of ranks_in_process cannot grow one rank at a time: build them again with "
+                             f"num_tokens={num_tokens}")
         self.check_errors()
         epochs = self.control[:, CTL_EPOCH].clone()
         self.shape = WorkspaceShape(**{**self.shape.__dict__, "token_capacity": num_tokens})
@@ -654,6 +731,16 @@ class BackwardWorkspace:
                                     returned_row=backward_returned_row(dim, dtype),
                                     num_experts=num_experts, top_k=top_k, dtype=dtype, device=device, params=params)
         return cls(inner, dim)
+
+    @classmethod
+    def ranks_in_process(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int,
+                         top_k: int, dtype: torch.dtype, device, params: LayerParams | None = None,
+                         seed: int = 0) -> list["BackwardWorkspace"]:
+        """Real-rank mode on one device (``Workspace.ranks_in_process``): one per EP rank."""
+        inners = Workspace.ranks_in_process(world_size, num_tokens=num_tokens, dim=2 * dim, hidden=hidden,
+                                            returned_row=backward_returned_row(dim, dtype), num_experts=num_experts,
+                                            top_k=top_k, dtype=dtype, device=device, params=params, seed=seed)
+        return [cls(inner, dim) for inner in inners]
 
     @classmethod
     def simulated(cls, world_size: int, *, num_tokens: int, dim: int, hidden: int, num_experts: int, top_k: int,
