@@ -114,6 +114,19 @@ def test_max_step_compares_a_short_run_with_the_start_of_a_long_one(tmp_path, ca
     assert "verdict: bitwise equal" in capsys.readouterr().out
 
 
+def test_max_step_includes_step_n_and_leaves_out_the_later_steps(tmp_path, capsys):
+    """Two runs that differ at step 2 only: ``--max-step 2`` compares steps 1 and 2
+    and finds the difference; ``--max-step 1`` compares step 1 and finds none."""
+    nudged = [LOSSES[0], float(np.nextafter(np.float32(LOSSES[1]), np.float32(10))), LOSSES[2]]
+    a, b = write_dump(tmp_path / "a", LOSSES), write_dump(tmp_path / "b", nudged)
+    assert run_main(a, b, "--max-step", "2", "--assert-bitwise", "--plot", tmp_path / "p.png") == 1
+    out = capsys.readouterr().out
+    assert "verdict: NOT bitwise equal" in out and "over 2 steps" in out, out
+    assert run_main(a, b, "--max-step", "1", "--assert-bitwise", "--plot", tmp_path / "p.png") == 0
+    out = capsys.readouterr().out
+    assert "verdict: bitwise equal" in out and "over 1 steps" in out, out
+
+
 @pytest.mark.parametrize("make_b", ["empty_dump", "log_without_steps", "missing"])
 def test_nothing_to_compare_exits_two(tmp_path, make_b):
     a = write_dump(tmp_path / "a", LOSSES)

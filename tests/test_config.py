@@ -8,6 +8,7 @@ from torchtitan_release import requires_torchtitan
 requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
 
 import copy
+import re
 import textwrap
 
 import torch
@@ -66,6 +67,16 @@ def test_unknown_key_is_rejected_with_its_name(tmp_path):
 def test_unknown_value_is_rejected_with_key_and_choices(tmp_path, line, match):
     with pytest.raises(ValueError, match=match):
         _parse(tmp_path, HEADER + f"[uniep]\n{line}\n")
+
+
+@pytest.mark.parametrize("value", [True, "last", 1.5], ids=["bool", "str", "float"])
+def test_guard_layer_that_is_not_an_integer_is_refused_naming_the_key(value):
+    """``guard_layer = true`` would pass as layer 1 (a bool is an int in
+    Python), ``"last"`` and ``1.5`` would fail only at the first guarded
+    step, deep in training: each is refused where the section is built."""
+    message = rf"^\[uniep\] guard_layer must be an integer, got {re.escape(repr(value))}$"
+    with pytest.raises(ValueError, match=message):
+        UniEP(enable=True, guard="check", guard_layer=value)
 
 
 def _model(name: str, flavor: str, job):

@@ -10,6 +10,7 @@ requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
 
 import json
 import os
+import re
 import subprocess
 import time
 import sys
@@ -117,6 +118,19 @@ def test_worker_names_the_closest_key_of_every_section(tmp_path, edit, extra, ma
 def test_uniep_values_of_the_file_and_the_overrides_are_checked_before_torchrun(extra, match):
     with pytest.raises(ValueError, match=match):
         pf.check_launch(["--job.config_file", str(UNIEP_CONFIG), *extra], world_size=2)
+
+
+@pytest.mark.parametrize("toml, value", [("true", True), ('"last"', "last"), ("1.5", 1.5)],
+                         ids=["bool", "str", "float"])
+def test_guard_layer_that_is_not_an_integer_is_refused_before_torchrun(tmp_path, toml, value):
+    """run_train.sh's check refuses a file's ``guard_layer`` that ``UniEP``
+    refuses, before torchrun starts (the workers would fail only at the first
+    guarded step, or, for ``true``, guard layer 1)."""
+    path = tmp_path / "job.toml"
+    path.write_text(UNIEP_SECTION + f'guard = "check"\nguard_layer = {toml}\n')
+    message = rf"\[uniep\] guard_layer must be an integer, got {re.escape(repr(value))}$"
+    with pytest.raises(ValueError, match=message):
+        pf.check_launch(["--job.config_file", str(path)], world_size=1)
 
 
 def test_launch_stage_reads_degrees_and_dump_folder_from_file_and_overrides():

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import pytest
 from torchtitan_release import torchtitan_0_2
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -49,6 +50,8 @@ from titan_uniep.kernels.scoreboard import (
     WAIT_TILE_ROWS,
     WAIT_TOKEN_ROWS,
     Route,
+    wait_counter_at_least,
+    wait_counters_at_least,
 )
 from titan_uniep.params import interpreter_params
 from titan_uniep.runtime import BackwardWorkspace, Workspace, simulated_moe_backward, simulated_moe_forward
@@ -59,6 +62,11 @@ if torch.cuda.is_available():
     pytest.skip("CPU interpreter tests (GPU runs use tests/gpu/)", allow_module_level=True)
 if not isinstance(tl.standard.cdiv, InterpretedFunction):
     pytest.skip("Triton was imported before TRITON_INTERPRET=1; run in a subprocess", allow_module_level=True)
+
+# Each test here takes at most about 3 s on a 2-core CPU (most of that the first TorchTitan
+# import), so that a wait that no longer ends (its poll bound broken) fails in 30 s, not at
+# pyproject's 900.
+pytestmark = pytest.mark.timeout(30)
 
 DIM, HIDDEN = 32, 48
 SLOW = 100_000  # polls: a wait that spins to this bound takes about 25 CPU-seconds in the interpreter
@@ -197,6 +205,41 @@ def test_race_mode_needs_a_workspace_built_for_it():
 
 
 # ---- faults ---------------------------------------------------------------------
+
+
+@triton.jit
+def _scalar_wait(counter, abort, out, expected, polls):
+    seen, stopped = wait_counter_at_least(counter, expected, abort, polls, False, "gpu")
+    tl.store(out, seen)
+    tl.store(out + 1, stopped)
+
+
+@triton.jit
+def _block_wait(counters, abort, out, expected, polls, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    seen, stopped = wait_counters_at_least(counters + offs, offs < N, expected, abort, polls, False, "gpu")
+    tl.store(out + offs, seen)
+    tl.store(out + N, stopped)
+
+
+@pytest.mark.timeout(10)  # measured 0.1 s; a wait that ignores its bound spins until this timeout
+@pytest.mark.parametrize("block", [False, True], ids=["scalar", "block"])
+def test_a_wait_whose_counter_never_arrives_gives_up_after_its_poll_bound(block):
+    """Where no rank fails (the abort word stays clear), the poll bound alone
+    ends a wait for a counter that never arrives (50 polls here): the wait
+    returns what it saw, short, and that it did not stop on the abort word.
+    The fault tests below end their waits on the abort word or on the scalar
+    wait's bound; no other test lets a reduce task's block wait run out."""
+    abort = torch.zeros(1, dtype=torch.int64)
+    if block:
+        counters = torch.tensor([5, 2, 7, 4], dtype=torch.int32)  # two of four short of 5
+        out = torch.full((5,), -1, dtype=torch.int32)
+        _block_wait[(1,)](counters, abort, out, 5, 50, 4)
+        assert out.tolist() == [5, 2, 7, 4, 0]
+    else:
+        out = torch.full((2,), -1, dtype=torch.int32)
+        _scalar_wait[(1,)](torch.tensor([2], dtype=torch.int32), abort, out, 5, 50)
+        assert out.tolist() == [2, 0]
 
 
 def test_silent_rank_stops_every_rank_with_the_root_cause():

@@ -5,7 +5,9 @@ bits in every output and gradient: simulated worlds W = 1, 2, 4 (W = 4 with
 skewed routing and a rank without tokens), both score modes (``CASES``), forward output and the used
 h1 | h3 rows, dx, dscores, dw1, dw2, dw3 of the backward on the saved
 h1 | h3. An opt-in numerics point changes bits and
-stays within the float64 reference's tolerance.
+stays within the float64 reference's tolerance; a weight-gradient K step
+changes its gradients' bits (W = 1 has more rows per expert than the
+smallest K step, which the weight gradients' K steps split).
 
 The interpreter's ``tl.dot`` is numpy's matmul, whose rounding depends on
 the matrices' shapes (BLAS kernels): ``tests/interpreter_dot.py`` makes it
@@ -44,7 +46,9 @@ if not isinstance(tl.standard.cdiv, InterpretedFunction):
 
 SEED = 20261201 + int(os.environ.get("UNIEP_TUNING_SEED", "0"))
 DIM, HIDDEN = 32, 24  # H = 24: a masked column block at 16-wide tiles
-WORLDS = {1: dict(E=4, K=2, T=[6]), 2: dict(E=4, K=3, T=[4, 3]), 4: dict(E=4, K=2, T=[3, 0, 3, 2])}
+# W = 1 has 17 to 19 rows per expert: the weight gradients' K steps run over an expert's rows, and
+# only rows beyond the smallest K step (16) are split differently by another K step.
+WORLDS = {1: dict(E=4, K=3, T=[24]), 2: dict(E=4, K=3, T=[4, 3]), 4: dict(E=4, K=2, T=[3, 0, 3, 2])}
 # The interpreter's tiles, 32 wide where the cost is in the number of programs (the K steps stay 16:
 # two K steps over D = 32); samples draw 16- and 32-wide tiles.
 BASE = interpreter_params(fc1_block_n=32, fc2_block_n=32, dh_block_n=32, da_block_n=32, wgrad_w13_block_m=32,
@@ -188,6 +192,20 @@ def test_opt_in_numerics_point_changes_bits_within_the_float64_tolerance():
         for ours, theirs in pairs:
             torch.testing.assert_close(got[f"{ours}.r{r}"].double(), exact[f"{theirs}.r{r}"], rtol=1e-4, atol=1e-5,
                                        msg=lambda m, o=ours: f"rank {r} {o} vs float64: {m}")
+
+
+@pytest.mark.parametrize("field, changed", [("wgrad_w13_block_k", {"dw1", "dw3"}), ("wgrad_w2_block_k", {"dw2"})],
+                         ids=["w13", "w2"])
+def test_weight_gradient_k_step_changes_the_bits_of_its_gradients(field, changed):
+    """The weight gradients sum over an expert's rows in K steps: at 32 rows a
+    step instead of 16, an expert of 17 to 19 rows adds its last rows in
+    another order, so the field is numerics (``keeps_bits`` names it, the
+    search leaves it alone) and exactly its gradients change."""
+    point = BASE.replace(**{field: 32})
+    assert keeps_bits(point, BASE) == field
+    ref, got = reference(1, False), run_point(1, point, False, "sequential")
+    differ = {name.split(".")[1] for name in ref if not torch.equal(got[name], ref[name])}
+    assert differ == changed, f"{field} = 32 changed {sorted(differ)}"
 
 
 def test_sample_keeps_numerics_fields_unless_opted_in():
