@@ -1,0 +1,30 @@
+"""Shared by every test module: a GPU test holds a share of the GPU while it
+runs (``gpu_share``), so the README's test command passes on one GPU with
+however many pytest-xdist workers ``-n auto`` starts."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_share import gpu_slot, slots
+
+_GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share(request, tmp_path_factory):
+    """Tests under ``tests/gpu`` or marked ``gpu``, where CUDA is: run while
+    holding a GPU slot, and give the memory the caching allocator keeps back
+    before the slot goes to the next test."""
+    is_gpu_test = request.node.get_closest_marker("gpu") or _GPU_TESTS in Path(str(request.node.fspath)).parents
+    if not (is_gpu_test and torch.cuda.is_available()):
+        yield
+        return
+    # Under xdist every worker's base folder is a child of the run's: the run's slots.
+    folder = tmp_path_factory.getbasetemp().parent / "titan_uniep-gpu-slots"
+    with gpu_slot(folder, slots(torch.cuda.get_device_properties(0).total_memory)):
+        yield
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

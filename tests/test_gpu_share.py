@@ -1,0 +1,50 @@
+"""The GPU slots of the GPU tests (``gpu_share``): never more tests at once
+than slots, across processes, and every test gets one in the end."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from gpu_share import ENV_SLOTS, gpu_slot, slots
+
+
+def _hold(folder, count, log, hold_s):
+    with gpu_slot(folder, count, poll_s=0.01) as index:
+        log.put(("in", index, time.monotonic()))
+        time.sleep(hold_s)
+        log.put(("out", index, time.monotonic()))
+
+
+@pytest.mark.timeout(60)
+def test_no_more_processes_hold_slots_at_once_than_there_are_slots(tmp_path):
+    """Six processes (workers) want one of two slots for 0.3 s each."""
+    ctx = mp.get_context("spawn")
+    log = ctx.Queue()
+    workers = [ctx.Process(target=_hold, args=(tmp_path / "slots", 2, log, 0.3)) for _ in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    events = sorted((log.get(timeout=5) for _ in range(12)), key=lambda e: e[2])
+    held, most, by_slot = 0, 0, {}
+    for kind, index, _ in events:
+        held += 1 if kind == "in" else -1
+        most = max(most, held)
+        if kind == "in":
+            assert index not in by_slot, f"slot {index} given to two processes at once"
+            by_slot[index] = True
+        else:
+            by_slot.pop(index)
+    assert most == 2, f"{most} processes held a slot at once"
+
+
+def test_slot_count_follows_the_cards_memory_or_the_variable():
+    gib = 1 << 30
+    assert slots(79 * gib, {}) == 3  # an 80 GB H100: three GPU tests at once
+    assert slots(139 * gib, {}) == 7  # an H200
+    assert slots(8 * gib, {}) == 1
+    assert slots(79 * gib, {ENV_SLOTS: "1"}) == 1
+    with pytest.raises(ValueError, match=ENV_SLOTS):
+        slots(79 * gib, {ENV_SLOTS: "0"})
