@@ -17,7 +17,7 @@ def _gpu_share(request, tmp_path_factory):
     """Tests under ``tests/gpu`` or marked ``gpu``, where CUDA is: run while
     holding a GPU slot, and give the memory the caching allocator keeps back
     before the slot goes to the next test."""
-    is_gpu_test = request.node.get_closest_marker("gpu") or _GPU_TESTS in Path(str(request.node.fspath)).parents
+    is_gpu_test = request.node.get_closest_marker("gpu") or _GPU_TESTS in request.node.path.parents
     if not (is_gpu_test and torch.cuda.is_available()):
         yield
         return
