@@ -133,6 +133,126 @@ def test_guard_layer_that_is_not_an_integer_is_refused_before_torchrun(tmp_path,
         pf.check_launch(["--job.config_file", str(path)], world_size=1)
 
 
+def test_misspelt_section_in_the_file_or_an_override_is_refused_before_torchrun_naming_the_closest(tmp_path):
+    # Before: found by the worker's check, after torchrun had started (10.5 s on 2 cores).
+    path = tmp_path / "job.toml"
+    path.write_text(UNIEP_CONFIG.read_text().replace("[uniep]", "[unipe]"))
+    with pytest.raises(ValueError) as err:
+        pf.check_launch(["--job.config_file", str(path)], world_size=2)
+    assert str(err.value).startswith(f"config file {str(path)!r}: [unipe] is not a section of the train config; "
+                                      "did you mean [uniep]? Fix the section name in the file (the sections: job, "
+                                      "profiling,"), err.value
+    with pytest.raises(ValueError, match=r"^--trainng\.\* is not a section of the train config; did you mean "
+                                         r"--training\.\*\? Fix the override"):
+        pf.check_launch(["--job.config_file", str(UNIEP_CONFIG), "--trainng.steps", "3"], world_size=2)
+    # [uniep] is a section only where custom_config_module merges it.
+    path.write_text(UNIEP_CONFIG.read_text().replace('custom_config_module = "titan_uniep.config"', ""))
+    with pytest.raises(ValueError, match=r"sets \[uniep\], but names no \[job\] custom_config_module: .*Add that "
+                                         r"line under \[job\] \(or pass --job\.custom_config_module "
+                                         r"titan_uniep\.config\)\.$"):
+        pf.check_launch(["--job.config_file", str(path)], world_size=2)
+    pf.check_launch(["--job.config_file", str(path), "--job.custom_config_module", "titan_uniep.config"], 2)
+
+
+def _uniep_on(tmp_path, name: str | None) -> Path:
+    """deepseek_v3_debug_uniep.toml with another [model] name (None: no name, TorchTitan's default)."""
+    line = 'name = "deepseek_v3_uniep"\n'
+    path = tmp_path / "job.toml"
+    path.write_text(UNIEP_CONFIG.read_text().replace(line, f'name = "{name}"\n' if name else ""))
+    return path
+
+
+@pytest.mark.parametrize("name,extra,match", [
+    # TorchTitan's own MoE model: it trains, as TorchTitan's MoE with the header "UniEP reference schedule".
+    ("deepseek_v3", [], r"\[model\] name = 'deepseek_v3' is TorchTitan's own deepseek_v3, whose MoE blocks UniEP "
+                        r"does not reach: the job would train TorchTitan's MoE\. Set \[model\] name = "
+                        r"\"deepseek_v3_uniep\""),
+    ("deepseek_v3_uniep", ["--model.name", "qwen3"], r"--model\.name qwen3 is TorchTitan's own qwen3.* Set \[model\] "
+                                                    r"name = \"qwen3_uniep\""),
+    # A model without MoE, and none at all (TorchTitan's default llama3).
+    ("llama3", [], r"\[model\] name = 'llama3' is not a model UniEP serves: it reaches the MoE blocks of the \*_uniep "
+                   r"models only\. Set \[model\] name to one of them \(\"deepseek_v3_uniep\", \"qwen3_uniep\", "
+                   r"\"llama4_uniep\""),
+    (None, [], r"\[model\] name \(unset: TorchTitan's default 'llama3'\) is not a model UniEP serves"),
+    ("deepseek_v3_uniep", ["--model.name=deepseek_v3_unip"], r"--model\.name deepseek_v3_unip is not a model UniEP "
+                                                             r"serves.* Did you mean deepseek_v3_uniep\?"),
+])
+def test_uniep_enabled_on_a_model_it_cannot_serve_is_refused_before_torchrun(tmp_path, name, extra, match):
+    path = _uniep_on(tmp_path, name)
+    with pytest.raises(ValueError, match=r"^config file .*: \[uniep\] enable = true, but " + match) as err:
+        pf.check_launch(["--job.config_file", str(path), *extra], world_size=2)
+    assert str(err.value).endswith("or set [uniep] enable = false."), err.value
+
+
+def test_uniep_models_and_the_baseline_pairings_that_run_pass_the_launch_stage(tmp_path):
+    pf.check_launch(["--job.config_file", str(UNIEP_CONFIG)], world_size=2)
+    # A *_uniep model with enable = false trains like its base model (documented); a base model
+    # with the [uniep] section off is the baseline.
+    pf.check_launch(["--job.config_file", str(UNIEP_CONFIG), "--uniep.no-enable"], world_size=2)
+    pf.check_launch(["--job.config_file", str(_uniep_on(tmp_path, "deepseek_v3")), "--uniep.no-enable"], 2)
+    pf.check_launch(["--job.config_file", str(BASELINE_CONFIG)], world_size=2)
+
+
+def test_run_train_refuses_uniep_on_torchtitans_own_model_at_once(tmp_path):
+    # The report: deepseek_v3_debug_uniep.toml with [model] name = "deepseek_v3" trained TorchTitan's
+    # own MoE (exit 0) under a header saying "UniEP reference schedule".
+    start = time.monotonic()
+    proc = _run_train(tmp_path, tmp_path, NGPU="2", CONFIG_FILE=str(_uniep_on(tmp_path, "deepseek_v3")))
+    seconds = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert not (tmp_path / "args").exists(), "torchrun was launched"
+    assert proc.stderr.startswith(f"run_train.sh: config file {str(tmp_path / 'job.toml')!r}: [uniep] enable = "
+                                  "true, but [model] name = 'deepseek_v3' is TorchTitan's own deepseek_v3"), proc.stderr
+    assert 'Set [model] name = "deepseek_v3_uniep"' in proc.stderr, proc.stderr
+    assert seconds < 1.0, f"run_train.sh took {seconds:.2f} s to refuse it"
+
+
+def test_run_train_refuses_a_misspelt_section_at_once(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(UNIEP_CONFIG.read_text().replace("[uniep]", "[unipe]"))
+    start = time.monotonic()
+    proc = _run_train(tmp_path, tmp_path, NGPU="2", CONFIG_FILE=str(path))
+    seconds = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert not (tmp_path / "args").exists(), "torchrun was launched"
+    assert proc.stderr.startswith(f"run_train.sh: config file {str(path)!r}: [unipe] is not a section of the "
+                                  "train config; did you mean [uniep]?"), proc.stderr
+    assert seconds < 1.0, f"run_train.sh took {seconds:.2f} s to refuse it"
+
+
+def test_the_worker_refuses_a_model_without_moe_layers_before_torchtitan_builds_it(monkeypatch):
+    # Before: the parallelize hook refused it, after the process group and the model were built.
+    from titan_uniep.torchtitan.v0_2 import train
+
+    def torchtitan_main(trainer_class):
+        raise AssertionError("TorchTitan started on a model without MoE layers")
+
+    monkeypatch.setattr(train, "torchtitan_main", torchtitan_main)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = REPO / "train_configs" / "qwen3_debug_moe_uniep.toml"
+    monkeypatch.setattr(sys, "argv", ["titan_uniep.torchtitan.train", "--job.config_file", str(config),
+                                      "--model.flavor", "debugmodel"])  # qwen3's dense debug flavor
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    assert str(exit_info.value.code) == (
+        "error: [uniep] enable = true, but model 'qwen3_uniep' flavor 'debugmodel' has no MoE layers. Pick an MoE "
+        "flavor (e.g. deepseek_v3 'debugmodel', qwen3 'debugmodel_moe', llama4 'debugmodel') or set [uniep] "
+        "enable = false.")
+
+
+def test_the_workers_own_check_refuses_uniep_on_torchtitans_model_as_torchtitan_parsed_it():
+    # The edge's check reads TorchTitan's parse, so a spelling the launcher's reading misses is caught too.
+    import dataclasses
+
+    from titan_uniep.torchtitan.v0_2 import preflight as edge
+
+    launch = pf.check_launch(["--job.config_file", str(UNIEP_CONFIG)], world_size=2)
+    launch = dataclasses.replace(launch, argv=[*launch.argv, "--model.name", "deepseek_v3"])
+    with pytest.raises(ValueError, match=r"^\[uniep\] enable = true, but \[model\] name = 'deepseek_v3' is "
+                                         r"TorchTitan's own deepseek_v3"):
+        edge.check_job(launch, world_size=2)
+
+
 def test_launch_stage_reads_degrees_and_dump_folder_from_file_and_overrides():
     args = ["--job.config_file", str(BASELINE_CONFIG)]
     assert pf.check_launch(args, world_size=2).dump_folder == "./outputs/deepseek_v3_debug_baseline"
@@ -143,10 +263,17 @@ def test_launch_stage_reads_degrees_and_dump_folder_from_file_and_overrides():
 
 
 def test_launch_stage_defaults_are_torchtitans():
-    from torchtitan.config.job_config import Job, Parallelism
+    import dataclasses
+
+    from torchtitan.config.job_config import Job, JobConfig, Model, Parallelism
+
+    from titan_uniep.config import JobConfig as UniEPJobConfig
 
     assert pf._DEGREE_DEFAULTS == {name: getattr(Parallelism(), name) for name in pf._DEGREE_DEFAULTS}
     assert pf._DUMP_FOLDER_DEFAULT == Job().dump_folder
+    assert pf._MODEL_NAME_DEFAULT == Model().name
+    assert pf._SECTIONS_0_2 == tuple(f.name for f in dataclasses.fields(JobConfig))
+    assert [f.name for f in dataclasses.fields(UniEPJobConfig)] == ["uniep"]  # what custom_config_module adds
 
 
 def _parallelism(**degrees) -> SimpleNamespace:
@@ -251,6 +378,16 @@ def test_unreadable_or_foreign_tuning_cache_fails_preflight_naming_the_key(tmp_p
         pf.check_job(_cached(foreign), world_size=1)
     with pytest.raises(ValueError, match=r"\[uniep\] tuning_cache: tuning cache .* cannot be read"):
         pf.check_job(_cached(tmp_path), world_size=1)  # a folder
+    # The report: --uniep.tuning_cache /etc/hostname was "not JSON ...; delete it or point to another file".
+    hostname = tmp_path / "hostname"
+    hostname.write_text("gpu-node-7\n")
+    with pytest.raises(ValueError) as err:
+        pf.check_job(_cached(hostname), world_size=1)
+    message = str(err.value)
+    assert message.startswith(f"[uniep] tuning_cache: tuning cache {hostname} is not JSON (Expecting value: line 1 "
+                              "column 1 (char 0)), so titan_uniep did not write it"), message
+    assert "leave it as it is and name another file for the cache (--uniep.tuning_cache PATH" in message, message
+    assert "delete" not in message, message
     # No file yet: every shape runs the defaults, with a warning when its workspace is built.
     pf.check_job(_cached(tmp_path / "missing.json"), world_size=1)
 
@@ -350,7 +487,10 @@ def test_a_workers_start_up_error_is_the_last_thing_printed_without_torchruns_tr
     lines = proc.stderr.splitlines()
     assert lines[-2:] == ["rank 0 failed first (exit code 1):",
                           f"[uniep] tuning_cache: tuning cache {foreign} is not a 'titan_uniep tuning cache' file "
-                          "(no matching 'format' field). Set [uniep] tuning_cache to a file written by "
+                          "(no matching 'format' field), so titan_uniep did not write it (its tuning caches are JSON "
+                          "objects with \"format\": \"titan_uniep tuning cache\"): leave it as it is and name another "
+                          "file for the cache (--uniep.tuning_cache PATH, or --cache PATH of titan_uniep.tools.tune). "
+                          "Set [uniep] tuning_cache to a file written by "
                           "`python -m titan_uniep.tools.tune` (or to a path that does not exist yet), or tuning = \"off\"."
                           ], proc.stderr
     assert lines[-3] == f"every rank's output: {tmp_path / 'run' / 'logs'}", proc.stderr

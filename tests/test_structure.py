@@ -1,5 +1,6 @@
-"""The package's shape: no module imports itself back through another, and
-the reference schedule runs without loading UniEP's kernels."""
+"""The package's shape: no module imports itself back through another, the
+tools sit on top (nothing else imports them), and the reference schedule runs
+without loading UniEP's kernels."""
 
 import ast
 import os
@@ -65,6 +66,26 @@ def test_no_circular_imports():
         if module not in state:
             visit(module)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_tools_sit_on_top_no_other_module_imports_them():
+    # Imports inside functions count too: the search behind [uniep] tuning = "search" once lived in
+    # tools/tune.py, and tuning.selection imported it from there at start-up.
+    graph = _import_graph()
+    assert "titan_uniep.tools.tune" in graph and "titan_uniep.tuning.search" in graph, "the graph missed the package"
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items()
+                    if not module.startswith("titan_uniep.tools") for target in targets
+                    if target.startswith("titan_uniep.tools"))
+    assert not upward, f"modules below the tools import them: {upward}"
+
+
+def test_the_shared_start_up_checks_import_no_edge_and_no_hook():
+    # Each edge's checks are reached through its own preflight module, by name: the 0.2.2 job
+    # checks once came from titan_uniep.parallelize, whose validate is another function on 0.3.0.
+    graph = _import_graph()
+    shared = graph["titan_uniep.torchtitan.preflight"]
+    assert not {t for t in shared if t.startswith(("titan_uniep.torchtitan.v0_", "titan_uniep.parallelize"))}, shared
+    assert {"titan_uniep.torchtitan.v0_2.preflight", "titan_uniep.torchtitan.v0_3.preflight"} <= set(graph)
 
 
 REFERENCE_RUN = """

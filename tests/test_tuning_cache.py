@@ -123,6 +123,44 @@ def test_cache_is_json_only_never_unpickled(tmp_path):
     assert load(tmp_path / "missing.json") == []
 
 
+@pytest.mark.parametrize("name,content", [
+    ("hostname", b"gpu-node-7\n"),  # the report: --uniep.tuning_cache /etc/hostname
+    ("latin1.txt", b"caf\xe9\n"),
+    ("list.json", b"[1, 2]"),
+    ("other_tool.json", json.dumps({"format": "another tool", "version": 2, "entries": []}).encode()),
+])
+def test_a_file_titan_uniep_did_not_write_is_left_alone_and_the_option_named(tmp_path, name, content):
+    """Before: "is not JSON (...); delete it or point to another file", for any file the path named."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        load(path)
+    message = str(err.value)
+    assert message.startswith(f"tuning cache {path} is not "), message
+    assert ("so titan_uniep did not write it (its tuning caches are JSON objects with \"format\": \"titan_uniep "
+            "tuning cache\"): leave it as it is and name another file for the cache (--uniep.tuning_cache PATH, or "
+            "--cache PATH of titan_uniep.tools.tune)") in message, message
+    assert "delet" not in message, message
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize("data,problem", [
+    ({"version": 1, "entries": []}, "has version 1, this titan_uniep reads version 2: retune"),
+    ({"version": cache.CACHE_VERSION, "entries": {}}, ": 'entries' must be a list"),
+    ({"version": cache.CACHE_VERSION, "entries": [{"key": {}}]}, ", entry 0: key fields [] are not"),
+])
+def test_only_a_file_recognisably_our_cache_is_advised_for_deletion(tmp_path, data, problem):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"format": cache.CACHE_FORMAT, **data}))
+    with pytest.raises(ValueError) as err:
+        load(path)
+    message = str(err.value)
+    assert message.startswith(f"tuning cache {path}{problem}" if problem.startswith((":", ","))
+                              else f"tuning cache {path} {problem}"), message
+    assert "delete" in message and "a titan_uniep tuning cache, whose entries the tuner measures again" in message, \
+        message
+
+
 def test_entry_that_does_not_fit_layer_params_is_refused():
     for changes in ({"no_such_field": 1}, {"block_m": 100}):
         params, reason = lookup([_entry(forward=changes)], KEY, "forward")
@@ -275,12 +313,12 @@ def test_the_start_up_search_tunes_each_shape_with_the_jobs_weight_gradient_dtyp
     """``tuning = "search"``: each distinct MoE shape is searched once, with the
     weight gradients' dtype the job writes (the hook's
     ``compute_dtype.job_weight_grad_dtype``), and the policy is registered."""
-    from titan_uniep.tools import tune
+    from titan_uniep.tuning import search
 
     searched = []
     monkeypatch.setattr(selection, "_policies", {})
-    monkeypatch.setattr(tune, "search_layer", lambda group, layer, options: searched.append(layer)
-                        or tune.SearchResult(layer, None))
+    monkeypatch.setattr(search, "search_layer", lambda group, layer, options: searched.append(layer)
+                        or search.SearchResult(layer, None))
     monkeypatch.setattr(selection.dist, "get_rank", lambda group=None: 0)
 
     def moe(hidden):

@@ -20,7 +20,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  #
 
 from titan_uniep.torchtitan import preflight  # noqa: E402
 from titan_uniep.torchtitan.v0_3.experts import UniEPRoutedExperts, apply_uniep  # noqa: E402
-from titan_uniep.torchtitan.v0_3.train import parse_job  # noqa: E402
+from titan_uniep.torchtitan.v0_3.preflight import parse_job  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = ("--module", "titan_uniep.torchtitan.v0_3")
@@ -158,6 +158,79 @@ def test_run_train_refuses_a_toml_of_the_other_release_naming_both(tmp_path):
     launch = preflight.check_launch(["--job.config_file", str(REPO / "train_configs" / "torchtitan_0_3" /
                                                               "deepseek_v3_debug_uniep.toml"), "--dump_folder", "o"], 2)
     assert launch.dump_folder == "o"
+
+
+def test_launch_stage_names_are_torchtitans():
+    import dataclasses
+
+    from torchtitan.experiments import _supported_experiments
+    from torchtitan.models import _supported_models
+
+    from titan_uniep.torchtitan.v0_3.trainer import UniEPTrainer
+
+    fields = [f.name for f in dataclasses.fields(UniEPTrainer.Config) if f.init]
+    assert sorted(preflight._SECTIONS_0_3 + preflight._TOP_LEVEL_KEYS_0_3) == sorted(fields + ["module", "config"])
+    assert preflight._TORCHTITAN_MODULES_0_3 == _supported_models | _supported_experiments
+
+
+def test_misspelt_section_is_refused_before_torchrun_naming_the_closest(tmp_path, capsys):
+    # Before: found by the worker's parse, after torchrun had started.
+    path = _toml(tmp_path, (REPO / "train_configs" / "torchtitan_0_3" / "deepseek_v3_debug_uniep.toml").read_text()
+                 .replace("[uniep]", "[unipe]"))
+    assert preflight.main(["2", "--job.config_file", path]) == 2  # run_train.sh's check
+    assert capsys.readouterr().err.startswith(
+        f"run_train.sh: config file {path!r}: [unipe] is not a section of the train config; did you mean [uniep]? "
+        "Fix the section name in the file (the sections: profiler, metrics,"), "the worker's message, or none"
+    with pytest.raises(ValueError, match=r"^--unipe\.\* is not a section of the train config; did you mean "
+                                         r"--uniep\.\*\? Fix the override"):
+        preflight.check_launch(["--job.config_file", str(REPO / "train_configs" / "torchtitan_0_3" /
+                                                         "deepseek_v3_debug_uniep.toml"), "--unipe.enable"], 2)
+    # A top-level field written as a table is the worker's to refuse, with its line.
+    table = _toml(tmp_path, 'module = "titan_uniep.torchtitan.v0_3"\nconfig = "qwen3_debug_moe_uniep"\n[dump_folder]\n')
+    preflight.check_launch(["--job.config_file", table], 2)
+
+
+@pytest.mark.parametrize("module,given_as", [
+    ("deepseek_v3", "module = 'deepseek_v3'"),
+    ("torchtitan.models.qwen3", "module = 'torchtitan.models.qwen3'"),
+    ("--module qwen3", "--module qwen3"),
+])
+def test_uniep_on_torchtitans_own_registry_is_refused_before_torchrun_and_in_the_worker(tmp_path, module, given_as):
+    # TorchTitan's configs have no uniep section: its MoE would train. Before: the worker's parse
+    # refused it as "uniep is not a key of the top level; did you mean ...?", after torchrun.
+    in_file = not module.startswith("--")
+    path = _toml(tmp_path, f'module = "{module if in_file else "deepseek_v3"}"\n'
+                           'config = "deepseek_v3_debugmodel"\n[uniep]\nenable = true\n')
+    args = ["--job.config_file", path, *([] if in_file else module.split())]
+    message = (rf"^config file '.*job\.toml': {given_as} is TorchTitan's own config registry, and the job sets "
+               r"\[uniep\]: TorchTitan's configs have no uniep section, so it would train TorchTitan's MoE without "
+               r"UniEP\. .*module = \"titan_uniep\.torchtitan\.v0_3\".* or remove \[uniep\]\.$")
+    with pytest.raises(ValueError, match=message):
+        preflight.check_launch(args, 2)
+    with pytest.raises(ValueError, match=message):
+        parse_job(args)
+    with pytest.raises(ValueError, match=r"^--module qwen3 is TorchTitan's own config registry, and the job sets "
+                                         r"--uniep\.enable: .* or remove --uniep\.enable\.$"):
+        parse_job(["--module", "qwen3", "--config", "qwen3_debugmodel", "--uniep.enable"])
+
+
+def test_uniep_on_a_config_without_the_section_is_refused_in_the_worker(tmp_path, monkeypatch):
+    # Another registry's config: only TorchTitan's import of it tells whether it has a uniep section.
+    (tmp_path / "my_registry.py").write_text("from torchtitan.models.qwen3.config_registry import qwen3_debugmodel\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _toml(tmp_path, 'module = "my_registry"\nconfig = "qwen3_debugmodel"\n\n[uniep]\nenable = true\n')
+    preflight.check_launch(["--job.config_file", path], 2)
+    with pytest.raises(ValueError, match=r"job\.toml', line 4 \(uniep\): this config \(Trainer\.Config\) has no uniep "
+                                         r"section, so it would train without UniEP\. .*set module = "
+                                         r"\"titan_uniep\.torchtitan\.v0_3\" and one of its configs, or remove "
+                                         r"\[uniep\]\."):
+        parse_job(["--job.config_file", path])
+
+
+def test_the_shared_job_check_runs_the_edges_parse():
+    config = preflight.check_job([*MODULE, "--config", "qwen3_debug_moe_uniep", "--training.steps", "2"], 2)
+    assert config.uniep.enable and config.training.steps == 2
+    assert preflight.preflight([*MODULE, "--config", "qwen3_debug_moe_uniep"], 2) == []
 
 
 # ---- one layer against TorchTitan's --------------------------------------------------------

@@ -14,9 +14,18 @@ It checks
   and it is a train config of the installed release (0.2.2: TorchTitan's TOML
   sections; 0.3.0: ``module`` and ``config`` with overrides, see
   ``titan_uniep.torchtitan.v0_3.toml``);
+- every section of the file and of the command line (``--SECTION.key``) is a
+  section of the release's config (else the closest one is named): on 0.2.2
+  TorchTitan's ``JobConfig`` with ``[uniep]``, on 0.3.0 the config of
+  ``titan_uniep.torchtitan.v0_3`` (``UniEPTrainer.Config``);
 - every key of ``[uniep]``, in the file and on the command line
   (``--uniep.KEY``), is a key of the section (else the closest one is named),
   and the section's values pass its own checks (``titan_uniep.config.UniEP``);
+- a job that sets ``[uniep]`` can be served by UniEP: on 0.2.2 ``[job]
+  custom_config_module = "titan_uniep.config"`` (which adds the section) and,
+  with ``enable = true``, a ``*_uniep`` model (TorchTitan's own models would
+  train their own MoE); on 0.3.0 a config of ``titan_uniep.torchtitan.v0_3``,
+  not one of TorchTitan's own registries (whose configs have no ``uniep``);
 - on TorchTitan 0.2.2, the world size (``NGPU`` of run_train.sh, torchrun's
   ``WORLD_SIZE``) fits the ``[parallelism]`` degrees of the file and the
   overrides, on the dense mesh and on the expert mesh alike (TorchTitan 0.2.2
@@ -24,35 +33,42 @@ It checks
   1) is 0``). On 0.3.0 the degrees the file leaves out are its registry
   config's, which only TorchTitan reads.
 
-``preflight(argv, world_size)`` is what the 0.2.2 edge's trainer
-(``titan_uniep.torchtitan.v0_2.train``) runs in every worker before
-TorchTitan builds anything (process group, device mesh,
-model): ``check_launch`` again, then what needs TorchTitan (seconds of
-imports, which is why run_train.sh does not wait for it): every key of every
-section against TorchTitan's ``JobConfig`` with ``[uniep]`` merged, with the
-closest key; TorchTitan's own parse of the file and the overrides; the world
-size on what it parsed; with ``[uniep] enable = true`` the checks of
-``titan_uniep.parallelize.validate`` that need only the config (the model's
-MoE layers and the EP group's GPUs are checked in the parallelize hook) and
-the tuning cache file (an unreadable or foreign file; a missing one is
-fine: every shape then runs the defaults, with a warning). Every failure is a
-``ValueError`` naming the key (or ``NGPU`` / ``CONFIG_FILE``) and the fix.
+What the launcher reads of each release's train config is here, in the
+standard library, not in the edges: importing ``titan_uniep.torchtitan.v0_2``
+registers its train specs, which imports TorchTitan (25 s on 2 busy cores).
 
-``preflight`` returns the CLI overrides that make the job's relative paths
-work from any working directory: a relative ``model.hf_assets_path`` that
-does not exist under the working directory is taken relative to the folder
-that holds the ``titan_uniep`` package (the checkout, or site-packages), which
-is where the bundled ``titan_uniep/assets/bpe2048`` of the train configs lives.
+``check_job(argv, world_size)`` runs ``check_launch`` again, then the
+installed edge's own checks, which need TorchTitan (seconds of imports, which
+is why run_train.sh does not wait for them). Each edge has them in its
+``preflight`` module, the same two functions, reached by name (this module
+imports no edge and no hook):
+
+- ``check_job(launch, world_size)``: the checks on TorchTitan's parse of the
+  job; returns the parsed config. ``titan_uniep.torchtitan.v0_2.preflight``:
+  every key of every section, the world size, UniEP's model, the checks of
+  the hook's ``validate`` that need no GPU, MoE layers in the model built on
+  the meta device, the tuning cache file. ``v0_3.preflight``: its
+  ``parse_job`` (the TOML and the command line through TorchTitan's config
+  manager, then ``UniEPTrainer``'s checks);
+- ``path_overrides(config)``: CLI overrides that make the job's relative
+  bundled paths work from any working directory.
+
+The 0.2.2 edge's trainer (``titan_uniep.torchtitan.v0_2.train``) runs
+``check_job`` in every worker before TorchTitan builds anything (process
+group, device mesh, model); the 0.3.0 edge's (``v0_3.train``) runs
+``parse_job``, whose TOML errors name the file's line. ``preflight(argv,
+world_size)`` runs ``check_job`` and returns the edge's path overrides. Every
+failure is a ``ValueError`` naming the key (or ``NGPU`` / ``CONFIG_FILE``)
+and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
+import importlib
 import math
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 try:
@@ -61,14 +77,16 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from titan_uniep.config import UniEP
-from titan_uniep.torchtitan import edge_module
+from titan_uniep.torchtitan import EDGES, edge_module
 
-__all__ = ["check_job", "check_keys", "check_launch", "check_world_size", "config_file_arg", "load_config_file",
-           "path_overrides", "preflight"]
+__all__ = ["UNIEP_MODELS", "Launch", "check_job", "check_keys", "check_launch", "check_section_names",
+           "check_uniep_model", "check_uniep_module", "check_world_size", "config_file_arg", "field_types",
+           "help_requested", "load_config_file", "preflight", "uniep_section"]
 
 _CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
-_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
-# TorchTitan 0.2.2's defaults (config/job_config.py; tests/test_preflight.py checks them against it).
+_HELP_FLAGS = ("-h", "--help")
+
+# TorchTitan 0.2.2's defaults and sections (config/job_config.py; tests/test_preflight.py checks them against it).
 _DEGREE_DEFAULTS = {
     "data_parallel_replicate_degree": 1,
     "data_parallel_shard_degree": -1,
@@ -79,7 +97,35 @@ _DEGREE_DEFAULTS = {
     "expert_tensor_parallel_degree": 1,
 }
 _DUMP_FOLDER_DEFAULT = "./outputs"
-_HELP_FLAGS = ("-h", "--help")
+_MODEL_NAME_DEFAULT = "llama3"
+_SECTIONS_0_2 = ("job", "profiling", "metrics", "model", "optimizer", "lr_scheduler", "training", "parallelism",
+                 "checkpoint", "activation_checkpoint", "compile", "quantize", "comm", "memory_estimation",
+                 "fault_tolerance", "experimental", "validation", "debug")
+_UNIEP_CONFIG_MODULE = "titan_uniep.config"
+"""``[job] custom_config_module`` that merges ``[uniep]`` into TorchTitan 0.2.2's ``JobConfig``."""
+
+UNIEP_MODELS = {
+    "deepseek_v3_uniep": "deepseek_v3",
+    "qwen3_uniep": "qwen3",
+    "llama4_uniep": "llama4",
+}
+"""TorchTitan 0.2.2's models with a UniEP variant: train spec name -> its base model.
+``titan_uniep.torchtitan.v0_2`` registers them; the launcher checks ``[model] name`` against them."""
+
+# TorchTitan 0.3.0: the fields of titan_uniep.torchtitan.v0_3's configs (UniEPTrainer.Config: Trainer.Config and
+# uniep), tables and plain values, and TorchTitan's own config registries (--module shorthands, config/manager.py);
+# tests/torchtitan_0_3/test_v0_3_edge.py checks them against it.
+_UNIEP_MODULES_0_3 = ("titan_uniep.torchtitan.v0_3", "titan_uniep.torchtitan.v0_3.config_registry")
+_SECTIONS_0_3 = ("profiler", "metrics", "tokenizer", "dataloader", "optimizer", "lr_scheduler", "training",
+                 "parallelism", "checkpoint", "activation_checkpoint", "compile", "comm", "validator", "debug",
+                 "override", "loss", "uniep")
+_TOP_LEVEL_KEYS_0_3 = ("module", "config", "model_spec", "hf_assets_path", "dump_folder")
+_TORCHTITAN_MODULES_0_3 = frozenset({
+    "deepseek_v3", "flux", "gpt_oss", "kimi_k2_7", "llama3", "muse_glimmer", "qwen3", "qwen3_5",
+    "alphabet_sort", "autoparallel.llama3", "autoparallel.local_map_deepseek_v3", "dapo_math",
+    "graph_trainer.deepseek_v3", "graph_trainer.llama3", "graph_trainer.muse_glimmer", "graph_trainer.qwen3", "rl",
+    "search_r1", "torchft.llama3", "transformers_modeling_backend",
+})
 
 
 def config_file_arg(argv: list[str]) -> str | None:
@@ -161,9 +207,14 @@ def cli_overrides(argv: list[str]) -> list[Override]:
     return overrides
 
 
-def _field_types(cls) -> dict[str, object]:
-    # The field types themselves, as TorchTitan's own TOML-to-dataclass step reads them.
+def field_types(cls) -> dict[str, object]:
+    """Field name -> its type, as TorchTitan's own TOML-to-dataclass step reads them."""
     return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def help_requested(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for TorchTitan's help (which prints every key and exits)."""
+    return any(arg in _HELP_FLAGS for arg in argv)
 
 
 def _closest(key: str, choices) -> str | None:
@@ -185,7 +236,7 @@ def check_keys(toml: dict, overrides: list[Override], sections: dict[str, type],
     in_file = f"config file {config_path!r}: " if config_path else ""
 
     def walk(table: dict, cls, prefix: tuple[str, ...]) -> None:
-        types = _field_types(cls)
+        types = field_types(cls)
         for key, value in table.items():
             if key not in types:
                 raise ValueError(in_file + _unknown_key(key, ".".join(prefix), types, cli=False))
@@ -205,12 +256,28 @@ def check_keys(toml: dict, overrides: list[Override], sections: dict[str, type],
             continue
         cls, prefix = sections[section], (section,)
         for key in keys:
-            types = _field_types(cls)
+            types = field_types(cls)
             if key not in types and not _bool_flag_field(key, types):
                 raise ValueError(_unknown_key(key, ".".join(prefix), types, cli=True))
             cls, prefix = types.get(key), (*prefix, key)
             if not dataclasses.is_dataclass(cls):
                 break
+
+
+def check_section_names(toml: dict, overrides: list[Override], sections, *, config_path: str | None,
+                        tables_only: bool = False, also_known=()) -> None:
+    """Raise ValueError for a section of the file or of an override (``--SECTION.key``) that is not
+    one of ``sections``, naming the closest one. ``tables_only``: the file's top-level plain values
+    are not looked at (they are fields of the config, not sections); ``also_known``: top-level names
+    that are no section but are left to the config's own checks."""
+    in_file = f"config file {config_path!r}: " if config_path else ""
+    known = set(sections) | set(also_known)
+    for name, value in toml.items():
+        if name not in known and (isinstance(value, dict) or not tables_only):
+            raise ValueError(in_file + _unknown_key(name, "", sections, cli=False))
+    for override in overrides:
+        if override.flag not in _CONFIG_FILE_FLAGS and override.path[0] not in known:
+            raise ValueError(_unknown_key(override.path[0], "", sections, cli=True))
 
 
 def _unknown_key(key: str, section: str, known, *, cli: bool) -> str:
@@ -248,7 +315,7 @@ def uniep_section(toml: dict, overrides: list[Override]) -> UniEP:
     by ``UniEP``'s own validation (ValueError naming the key). Overrides whose text
     cannot be read as the field's type are left to TorchTitan's parse."""
     values = dict(toml.get("uniep", {}))
-    types = _field_types(UniEP)
+    types = field_types(UniEP)
     for override in overrides:
         if override.path[0] != "uniep" or len(override.path) != 2:
             continue
@@ -340,6 +407,90 @@ def _dump_folder(toml: dict, overrides: list[Override]) -> str:
     return folder
 
 
+# ---- whether UniEP can serve the job ---------------------------------------------------------
+
+
+def _sets_uniep(toml: dict, overrides: list[Override]) -> bool:
+    return "uniep" in toml or any(o.path[0] == "uniep" for o in overrides)
+
+
+def check_uniep_model(model_name: str, *, given_as: str) -> None:
+    """TorchTitan 0.2.2, ``[uniep] enable = true``: raise ValueError unless ``model_name`` is a
+    ``*_uniep`` train spec, naming the fix. UniEP reaches the MoE blocks of those only; any other
+    model trains TorchTitan's own MoE (or has none) with UniEP named in its config.
+    ``given_as``: how the job names the model (``[model] name = 'x'``, ``--model.name x``)."""
+    if model_name.endswith("_uniep"):
+        return
+    if model_name in UNIEP_MODELS.values():
+        why = (f"is TorchTitan's own {model_name}, whose MoE blocks UniEP does not reach: the job would train "
+               "TorchTitan's MoE")
+        fix = (f"Set [model] name = \"{model_name}_uniep\" (--model.name {model_name}_uniep: the same model with "
+               "UniEP's expert-parallel path)")
+    else:
+        hint = _closest(model_name, UNIEP_MODELS)
+        why = "is not a model UniEP serves: it reaches the MoE blocks of the *_uniep models only"
+        fix = ((f"Did you mean {hint}? " if hint else "") + "Set [model] name to one of them ("
+               + ", ".join(f'"{m}"' for m in UNIEP_MODELS) + ": TorchTitan's " + ", ".join(UNIEP_MODELS.values())
+               + " with UniEP's expert-parallel path)")
+    raise ValueError(f"[uniep] enable = true, but {given_as} {why}. {fix}, or set [uniep] enable = false.")
+
+
+def _launch_model_name(launch: "Launch") -> tuple[str, str]:
+    """TorchTitan 0.2.2: ``[model] name`` of the overrides or the file, and how the job gives it."""
+    for override in reversed(launch.overrides):
+        if override.path == ("model", "name") and override.value is not None:
+            return override.value, f"--model.name {override.value}"
+    name = launch.toml.get("model", {}).get("name")
+    if isinstance(name, str):
+        return name, f"[model] name = {name!r}"
+    return _MODEL_NAME_DEFAULT, f"[model] name (unset: TorchTitan's default {_MODEL_NAME_DEFAULT!r})"
+
+
+def _custom_config_module(launch: "Launch") -> str | None:
+    # As TorchTitan 0.2.2 finds it (ConfigManager._maybe_add_custom_config): the command line, then the file.
+    argv = launch.argv
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if flag in ("--job.custom_config_module", "--job.custom-config-module"):
+            return (value if sep else (argv[i + 1] if i + 1 < len(argv) else None)) or None
+    return launch.toml.get("job", {}).get("custom_config_module") or None
+
+
+def _registry_module(toml: dict, argv: list[str]) -> tuple[str | None, str]:
+    """TorchTitan 0.3.0: the config registry the job names (``--module``, else the file's
+    ``module``) and how it names it."""
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if flag == "--module":
+            module = value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
+            return module, f"--module {module}"
+    module = toml.get("module")
+    return (module, f"module = {module!r}") if isinstance(module, str) else (None, "")
+
+
+def check_uniep_module(toml: dict, argv: list[str], *, config_path: str | None) -> None:
+    """TorchTitan 0.3.0: raise ValueError if the job sets UniEP's options (``[uniep]``,
+    ``--uniep.*``) on a config of one of TorchTitan's own registries (``--module llama3``,
+    ``torchtitan.models.qwen3``): their configs have no ``uniep`` section and train TorchTitan's
+    MoE. A registry of neither TorchTitan nor titan_uniep is the worker's to judge
+    (``titan_uniep.torchtitan.v0_3.toml`` refuses ``[uniep]`` on a config without the section)."""
+    module, given_as = _registry_module(toml, argv)
+    overrides = [o.flag for o in cli_overrides(argv) if o.path[0] == "uniep"]
+    if module is None or not ("uniep" in toml or overrides):
+        return
+    if module not in _TORCHTITAN_MODULES_0_3 and module.split(".")[0] != "torchtitan":
+        return
+    options = "[uniep]" if "uniep" in toml else overrides[0]
+    in_file = f"config file {config_path!r}: " if config_path else ""
+    raise ValueError(
+        f"{in_file}{given_as} is TorchTitan's own config registry, and the job sets {options}: TorchTitan's "
+        "configs have no uniep section, so it would train TorchTitan's MoE without UniEP. Name a config of "
+        "titan_uniep's registry, whose uniep section runs UniEP: module = \"titan_uniep.torchtitan.v0_3\" (--module "
+        "titan_uniep.torchtitan.v0_3) and one of its configs (e.g. config = \"deepseek_v3_debug_uniep\"; "
+        f"titan_uniep/torchtitan/v0_3/config_registry.py lists them), or remove {options}."
+    )
+
+
 # ---- the two stages -----------------------------------------------------------------------
 
 
@@ -352,6 +503,8 @@ class Launch:
     overrides: list[Override]
     dump_folder: str
     """``job.dump_folder`` of the file and the overrides (TorchTitan's default ``./outputs``)."""
+    argv: list[str]
+    """The trainer's command line (``--job.config_file X`` and overrides), as given."""
 
 
 def _registry_dump_folder(toml: dict, argv: list[str]) -> str:
@@ -385,6 +538,56 @@ def check_toml_release(path: str | None, toml: dict, edge: str) -> None:
         )
 
 
+def _check_uniep_section(launch: Launch) -> UniEP | None:
+    """``[uniep]`` of the file and the overrides: its keys, then its values; None where the job sets none."""
+    check_keys(launch.toml, launch.overrides, {"uniep": UniEP}, all_sections=False, config_path=launch.config_path)
+    return uniep_section(launch.toml, launch.overrides) if _sets_uniep(launch.toml, launch.overrides) else None
+
+
+def _check_launch_v0_2(launch: Launch, world_size: int) -> None:
+    """TorchTitan 0.2.2's TOML: sections, ``[uniep]``, UniEP's model, the world size."""
+    toml, overrides, path = launch.toml, launch.overrides, launch.config_path
+    custom_module = _custom_config_module(launch)
+    if _sets_uniep(toml, overrides) and custom_module is None:
+        options = (f"config file {path!r} sets [uniep]" if "uniep" in toml
+                   else f"{next(o.flag for o in overrides if o.path[0] == 'uniep')} is given")
+        raise ValueError(
+            f"{options}, but names no [job] custom_config_module: TorchTitan's job config has a [uniep] section "
+            f"only with custom_config_module = \"{_UNIEP_CONFIG_MODULE}\". Add that line under [job] (or pass "
+            f"--job.custom_config_module {_UNIEP_CONFIG_MODULE})."
+        )
+    if custom_module in (None, _UNIEP_CONFIG_MODULE):
+        # Another custom_config_module adds sections only TorchTitan's import of it knows (check_job).
+        sections = _SECTIONS_0_2 + (("uniep",) if custom_module else ())
+        check_section_names(toml, overrides, sections, config_path=path)
+    cfg = _check_uniep_section(launch)
+    if cfg is not None and cfg.enable:
+        name, given_as = _launch_model_name(launch)
+        try:
+            check_uniep_model(name, given_as=given_as)
+        except ValueError as err:
+            raise ValueError(f"config file {path!r}: {err}" if path else str(err)) from None
+    degrees = _launch_degrees(toml, overrides)
+    if degrees is not None:
+        check_world_size(degrees, world_size)
+
+
+def _check_launch_v0_3(launch: Launch, world_size: int) -> None:
+    """TorchTitan 0.3.0's TOML form: sections, ``[uniep]``, a registry whose configs have it.
+    The degrees the file leaves out are its registry config's, which only TorchTitan reads."""
+    module, _ = _registry_module(launch.toml, launch.argv)
+    check_uniep_module(launch.toml, launch.argv, config_path=launch.config_path)
+    if module in _UNIEP_MODULES_0_3:
+        # The configs of another registry have fields only TorchTitan's import of it knows (the worker's parse).
+        check_section_names(launch.toml, launch.overrides, _SECTIONS_0_3, config_path=launch.config_path,
+                            tables_only=True, also_known=_TOP_LEVEL_KEYS_0_3)
+    _check_uniep_section(launch)
+
+
+_LAUNCH_CHECKS = {EDGES["0.2.2"]: _check_launch_v0_2, EDGES["0.3.0"]: _check_launch_v0_3}
+"""Edge package -> the launcher's checks of its release's train config."""
+
+
 def check_launch(argv: list[str], world_size: int) -> Launch:
     """The standard-library checks (see the module docstring); ValueError naming the key and the fix."""
     try:
@@ -394,25 +597,24 @@ def check_launch(argv: list[str], world_size: int) -> Launch:
     path = config_file_arg(argv)
     toml = load_config_file(path) if path is not None else {}
     overrides = cli_overrides(argv)
-    registry_form = edge.endswith("v0_3")
-    folder = _registry_dump_folder(toml, argv) if registry_form else _dump_folder(toml, overrides)
-    launch = Launch(path, toml, overrides, folder)
-    if any(arg in _HELP_FLAGS for arg in argv):
+    folder = _registry_dump_folder(toml, argv) if edge == EDGES["0.3.0"] else _dump_folder(toml, overrides)
+    launch = Launch(path, toml, overrides, folder, list(argv))
+    if help_requested(argv):
         return launch  # TorchTitan prints every key and exits
     check_toml_release(path, toml, edge)
-    check_keys(toml, overrides, {"uniep": UniEP}, all_sections=False, config_path=path)
-    if "uniep" in toml or any(o.path[0] == "uniep" for o in overrides):
-        uniep_section(toml, overrides)
-    if registry_form:
-        return launch  # the degrees' defaults are the registry config's: TorchTitan checks them
-    degrees = _launch_degrees(toml, overrides)
-    if degrees is not None:
-        check_world_size(degrees, world_size)
+    _LAUNCH_CHECKS[edge](launch, world_size)
     return launch
 
 
+def _edge_checks():
+    # The installed edge's own start-up checks (they import TorchTitan), by name: the shared
+    # checks import no edge, so the launcher's stay free of torch and TorchTitan.
+    return importlib.import_module(f"{edge_module()}.preflight")
+
+
 def check_job(argv: list[str], world_size: int):
-    """Every check (see the module docstring); returns TorchTitan's parsed ``JobConfig``.
+    """Every check (see the module docstring): ``check_launch``, then the installed edge's
+    ``check_job``; returns the job's config as TorchTitan parsed it.
 
     Args:
         argv: the trainer's command line (``sys.argv[1:]``: ``--job.config_file X`` and overrides).
@@ -420,51 +622,12 @@ def check_job(argv: list[str], world_size: int):
     Raises:
         ValueError: naming the key (or ``NGPU`` / ``CONFIG_FILE``) and the fix.
     """
-    launch = check_launch(argv, world_size)
-    from torchtitan.config import ConfigManager
-
-    manager = ConfigManager()
-    if not any(arg in _HELP_FLAGS for arg in argv):
-        # TorchTitan's own resolution of [job] custom_config_module (the class its parse fills),
-        # so the [uniep] section and any other merged one count as known.
-        config_cls = manager._maybe_add_custom_config(list(argv), launch.toml)
-        check_keys(launch.toml, launch.overrides, _field_types(config_cls), all_sections=True,
-                   config_path=launch.config_path)
-    # TorchTitan's own parse, which follows, logs the config's warnings (e.g. a
-    # missing hf_assets_path, resolved below); this one stays quiet.
-    disabled = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        job_config = manager.parse_args(list(argv))  # the [uniep] section checks itself here
-    finally:
-        logging.disable(disabled)
-    dims = check_world_size(job_config.parallelism, world_size)
-    cfg = getattr(job_config, "uniep", None)
-    if cfg is not None and cfg.enable:
-        from titan_uniep.parallelize import validate
-
-        validate(cfg, None, dims, job_config)
-        if cfg.tuning != "off":
-            from titan_uniep.tuning.selection import TuningPolicy
-
-            TuningPolicy.from_config(cfg.tuning, cfg.tuning_cache)  # an unreadable or foreign file raises
-    return job_config
-
-
-def path_overrides(job_config) -> list[str]:
-    """CLI overrides that resolve the job's relative bundled paths (see the module docstring)."""
-    assets = job_config.model.hf_assets_path
-    if not assets or os.path.isabs(assets) or os.path.exists(assets):
-        return []
-    bundled = _PACKAGE_PARENT / assets
-    if not bundled.exists():
-        return []  # TorchTitan's own error names the missing path
-    return ["--model.hf_assets_path", str(bundled)]
+    return _edge_checks().check_job(check_launch(argv, world_size), world_size)
 
 
 def preflight(argv: list[str], world_size: int) -> list[str]:
-    """``check_job``; returns the path overrides to add to the arguments."""
-    return path_overrides(check_job(argv, world_size))
+    """``check_job``; returns the edge's path overrides to add to the arguments."""
+    return _edge_checks().path_overrides(check_job(argv, world_size))
 
 
 def main(argv: list[str]) -> int:

@@ -197,26 +197,48 @@ class CacheEntry:
         return cls(**{**item, "key": CacheKey(**item["key"])})
 
 
+# An error names what is wrong with the file and how to name another one. Deleting it is advised
+# only for a file that is recognisably a cache of ours (a JSON object whose "format" is
+# CACHE_FORMAT): any other file at that path (a typo, /etc/hostname) is someone else's, and
+# the option, not the file, is what to change.
+_NAME_ANOTHER_FILE = ("name another file for the cache (--uniep.tuning_cache PATH, or --cache PATH of "
+                      "titan_uniep.tools.tune)")
+
+
 def load(path: str | os.PathLike) -> list[CacheEntry]:
     """The entries of the cache file at ``path`` (``[]`` if it does not exist).
-    Raises ValueError naming the file if it is not a cache of ``CACHE_VERSION``."""
+
+    Raises:
+        ValueError: naming the file and what is wrong with it: it cannot be read; it
+            is not a tuning cache (not JSON, or no ``"format": CACHE_FORMAT``), so
+            someone else's file, left alone; or it is a cache of ours, of another
+            ``CACHE_VERSION`` or with a malformed entry (retune, or delete it).
+    """
     path = Path(path)
     if not path.exists():
         return []
+    not_ours = (f"so titan_uniep did not write it (its tuning caches are JSON objects with \"format\": "
+                f"\"{CACHE_FORMAT}\"): leave it as it is and {_NAME_ANOTHER_FILE}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:  # a folder, no read permission, ...
         raise ValueError(f"tuning cache {path} cannot be read ({err.strerror or err})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"tuning cache {path} is not JSON ({err}); delete it or point to another file") from None
+        raise ValueError(f"tuning cache {path} is not JSON ({err}), {not_ours}") from None
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
-        raise ValueError(f"tuning cache {path} is not a {CACHE_FORMAT!r} file (no matching 'format' field)")
+        raise ValueError(f"tuning cache {path} is not a {CACHE_FORMAT!r} file (no matching 'format' field), {not_ours}")
+    ours = "a titan_uniep tuning cache, whose entries the tuner measures again"
     if data.get("version") != CACHE_VERSION:
         raise ValueError(f"tuning cache {path} has version {data.get('version')!r}, this titan_uniep reads "
-                         f"version {CACHE_VERSION}: retune (python -m titan_uniep.tools.tune) into a new file")
-    if not isinstance(data.get("entries"), list):
-        raise ValueError(f"tuning cache {path}: 'entries' must be a list")
-    return [CacheEntry.from_json(item, f"tuning cache {path}, entry {i}") for i, item in enumerate(data["entries"])]
+                         f"version {CACHE_VERSION}: retune (python -m titan_uniep.tools.tune) into a new file, or "
+                         f"delete this one ({ours})")
+    try:
+        if not isinstance(data.get("entries"), list):
+            raise ValueError(f"tuning cache {path}: 'entries' must be a list")
+        return [CacheEntry.from_json(item, f"tuning cache {path}, entry {i}")
+                for i, item in enumerate(data["entries"])]
+    except ValueError as err:
+        raise ValueError(f"{err}. The file is {ours}: delete it, or {_NAME_ANOTHER_FILE}") from None
 
 
 def merge(entries: list[CacheEntry], new: list[CacheEntry]) -> list[CacheEntry]:

@@ -11,7 +11,8 @@ train spec); importing it registers, through TorchTitan's own registries:
   model flavors of ``flavors`` (realistic MoE layer shapes).
 
 The ``[uniep]`` section itself comes from ``[job] custom_config_module =
-"titan_uniep.config"``.
+"titan_uniep.config"``. The worker's start-up checks that need TorchTitan are
+in ``preflight`` (this edge's side of ``titan_uniep.torchtitan.preflight``).
 """
 
 from __future__ import annotations
@@ -22,15 +23,10 @@ import importlib
 from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
 
 from titan_uniep.torchtitan.data import register_dataset
+# The table lives with the launcher's checks, which read it without importing TorchTitan.
+from titan_uniep.torchtitan.preflight import UNIEP_MODELS
 from titan_uniep.torchtitan.v0_2.flavors import register_flavors
 from titan_uniep.torchtitan.v0_2.parallelize import wrap_parallelize_fn
-
-#: Base TorchTitan models that have UniEP variants: spec name -> base name.
-UNIEP_MODELS = {
-    "deepseek_v3_uniep": "deepseek_v3",
-    "qwen3_uniep": "qwen3",
-    "llama4_uniep": "llama4",
-}
 
 
 def _register_train_specs() -> None:

@@ -42,8 +42,8 @@ from titan_uniep.torchtitan.v0_2.moe import UniEPGroupedExperts, UniEPMoE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EPGPU", "UniEPExpertParallel", "check_ep_gpus", "kernel_dtype", "moe_layers", "validate",
-           "wrap_parallelize_fn"]
+__all__ = ["EPGPU", "UniEPExpertParallel", "check_ep_gpus", "check_moe_layers", "kernel_dtype", "moe_layers",
+           "validate", "wrap_parallelize_fn"]
 
 
 class UniEPExpertParallel(ParallelStyle):
@@ -77,18 +77,25 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def check_moe_layers(model: nn.Module, job_config) -> None:
+    """Raise ValueError naming the key and the fix if ``model`` has no MoE block for UniEP to serve."""
+    if not moe_layers(model):
+        raise ValueError(
+            f"[uniep] enable = true, but model {job_config.model.name!r} flavor {job_config.model.flavor!r} has "
+            "no MoE layers. Pick an MoE flavor (e.g. deepseek_v3 'debugmodel', qwen3 'debugmodel_moe', llama4 "
+            "'debugmodel') or set [uniep] enable = false."
+        )
+
+
 def validate(cfg: UniEP, model: nn.Module | None, parallel_dims, job_config) -> None:
     """Raise ValueError naming the key and the fix if UniEP cannot serve this job.
 
-    ``model=None`` runs the checks that need only the config (``titan_uniep.torchtitan.preflight``).
+    ``model=None`` runs the checks that need only the config (``titan_uniep.torchtitan.v0_2.preflight``,
+    which then runs ``check_moe_layers`` on the model built on the meta device).
     """
     model_name = job_config.model.name
-    if model is not None and not moe_layers(model):
-        raise ValueError(
-            f"[uniep] enable = true, but model {model_name!r} flavor {job_config.model.flavor!r} has no MoE "
-            "layers. Pick an MoE flavor (e.g. deepseek_v3 'debugmodel', qwen3 'debugmodel_moe', llama4 "
-            "'debugmodel') or set [uniep] enable = false."
-        )
+    if model is not None:
+        check_moe_layers(model, job_config)
     if parallel_dims.etp > 1:
         raise ValueError(
             f"[uniep] enable = true does not support parallelism.expert_tensor_parallel_degree > 1 "

@@ -6,7 +6,8 @@ Training itself is ``torchtitan.train.main`` unchanged; this adds:
 
 - ``titan_uniep.torchtitan.preflight`` before anything is built (a missing or broken
   config file, NGPU that does not fit the parallel degrees, ``[uniep]``
-  errors), and relative bundled paths that work from any directory;
+  errors, a job UniEP cannot serve), and relative bundled paths that work from
+  any directory (``titan_uniep.torchtitan.v0_2.preflight``);
 - the CPU shims (``titan_uniep.torchtitan.v0_2.cpu``) when CUDA is unavailable;
 - offline mode for the Hugging Face libraries (the data is bundled);
 - ``<job.dump_folder>/loss.jsonl``, written by rank 0 (``titan_uniep.torchtitan.loss_file``).
@@ -24,10 +25,11 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer, main as torchtitan_main
 
 from titan_uniep.torchtitan.loss_file import record_losses
-from titan_uniep.torchtitan.preflight import check_job, path_overrides
+from titan_uniep.torchtitan.preflight import check_job
 from titan_uniep.torchtitan.torchrun import exit_with_error
 from titan_uniep.torchtitan.trainer import UniEPSteps
 from titan_uniep.torchtitan.v0_2.cpu import CPU_ARGS, apply_cpu_shims, fp32_compute_args
+from titan_uniep.torchtitan.v0_2.preflight import path_overrides
 
 
 class LossRecordingTrainer(UniEPSteps, Trainer):

@@ -10,5 +10,7 @@
 - ``flavors``: the realistic-shape and tiny models;
 - ``toml``: a TOML train config naming the module and config, applied through
   TorchTitan's own config manager;
+- ``preflight``: the worker's start-up checks (``parse_job``), this edge's side
+  of ``titan_uniep.torchtitan.preflight``;
 - ``train``: ``run_train.sh``'s trainer on 0.3.0; ``cpu``: its CPU shims.
 """

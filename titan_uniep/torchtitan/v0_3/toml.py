@@ -134,6 +134,13 @@ def apply_table(node: Any, table: dict, path: str, prefix: tuple[str, ...] = ())
         keys = (*prefix, key)
         if not prefix and key in _TOP_LEVEL_ARGS:
             continue
+        if key not in fields and keys == ("uniep",):
+            raise ValueError(
+                f"config file {path!r}, {_where(path, keys)}: this config ({type(node).__qualname__}) has no uniep "
+                "section, so it would train without UniEP. UniEP's options belong to the configs of "
+                "titan_uniep.torchtitan.v0_3 (UniEPTrainer.Config): set module = \"titan_uniep.torchtitan.v0_3\" "
+                "and one of its configs, or remove [uniep]."
+            )
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else "."

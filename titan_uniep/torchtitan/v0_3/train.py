@@ -9,9 +9,10 @@ without it the job is TorchTitan's own ``--module`` / ``--config``. Either way
 the command line wins. Training is TorchTitan's: ``UniEPTrainer`` (the
 configs of ``config_registry``) or any trainer the config builds. This adds:
 
-- the TOML, read with tomllib and applied through TorchTitan's config manager;
-  its errors, TorchTitan's and UniEP's configuration errors end the worker
-  with one line naming the key and the fix (``exit_with_error``);
+- the TOML, read with tomllib and applied through TorchTitan's config manager
+  (``preflight.parse_job``); its errors, TorchTitan's and UniEP's configuration
+  errors end the worker with one line naming the key and the fix
+  (``exit_with_error``);
 - the CPU shims (``cpu``) when CUDA is unavailable;
 - offline mode for the Hugging Face libraries (the data is bundled).
 """
@@ -23,32 +24,9 @@ import sys
 
 import torch
 
-from titan_uniep.torchtitan.preflight import config_file_arg, load_config_file, without_config_file_arg
 from titan_uniep.torchtitan.torchrun import exit_with_error
 from titan_uniep.torchtitan.v0_3.cpu import CPU_ARGS, apply_cpu_shims, use_dense_mask_attention
-
-
-def parse_job(argv: list[str]):
-    """The job's config: the TOML of ``--job.config_file`` (if given) and the command line,
-    through TorchTitan's config manager. Raises ValueError naming the key and the fix."""
-    from torchtitan.config import ConfigManager
-
-    from titan_uniep.torchtitan.v0_3.toml import TomlConfigManager
-
-    from titan_uniep.torchtitan.v0_3.trainer import UniEPTrainer, validate
-
-    path = config_file_arg(argv)
-    args = without_config_file_arg(argv)
-    if path is None:
-        config = ConfigManager().parse_args(args)
-    else:
-        toml = load_config_file(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        config = TomlConfigManager(path, toml, text).parse_args(args)
-    if isinstance(config, UniEPTrainer.Config):
-        validate(config)
-    return config
+from titan_uniep.torchtitan.v0_3.preflight import parse_job
 
 
 def main() -> None:
