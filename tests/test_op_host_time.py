@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_op_host_time_prints_host_and_gpu_times_and_a_profile():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+def test_op_host_time_prints_host_and_gpu_times_and_a_profile(tmp_path):
+    # TMPDIR: torchrun without --log-dir makes a /tmp/torchelastic_* folder per launch and leaves it;
+    # here it (and any other temporary file of the launch) goes into the test's own folder.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
          str(REPO / "scripts" / "op_host_time.py"), "--shape", "24,32,16,4,2", "--calls", "1", "--profile-calls", "1",

@@ -18,11 +18,12 @@ from torchtitan_release import torchtitan_0_2
 import torch
 
 from titan_uniep import timing
-from titan_uniep.tools import tune
 from titan_uniep.params import default_params
+from titan_uniep.tools import tune
+from titan_uniep.tuning import search
 
 REPO = Path(__file__).resolve().parents[1]
-LAYER = tune.MoELayer("layer", 4096, 2048, 768, 128, 8)
+LAYER = search.MoELayer("layer", 4096, 2048, 768, 128, 8)
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,15 @@ def test_candidates_are_the_default_then_the_best_distinct_projected_points(fake
         base.replace(reduce_block_dim=1024, timeout_s=5.0),  # keeps the bits (as 512); timeouts are never tuned
         base.replace(block_m=64),
     ]
-    options = tune.SearchOptions(top=3, neighbours=False)
-    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", options, None)]
+    options = search.SearchOptions(top=3, neighbours=False)
+    got = [p for p, _ in search.candidates(LAYER, None, 1, "forward", options, None)]
     assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=32),
                    base.replace(reduce_block_dim=1024)]
-    got = [p for p, _ in tune.candidates(LAYER, None, 1, "backward", options, None)]
+    got = [p for p, _ in search.candidates(LAYER, None, 1, "backward", options, None)]
     assert got == [base, base.replace(da_num_warps=8), base.replace(dispatch_programs=32),
                    base.replace(block_m=64)]
-    numerics = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=9, numerics=True,
-                                                                                        neighbours=False), None)]
+    numerics = [p for p, _ in search.candidates(LAYER, None, 1, "forward",
+                                                search.SearchOptions(top=9, numerics=True, neighbours=False), None)]
     assert base.replace(fc1_block_k=32, dispatch_programs=32) in numerics
     assert base.replace(reduce_block_dim=128) in numerics
 
@@ -119,8 +120,8 @@ def test_of_points_the_model_cannot_tell_apart_the_simplest_is_measured(fake_mod
                          base.replace(dispatch_programs=64, block_m=64),
                          base.replace(dispatch_programs=16)]
     fake_model.times = [2.0, 2.0, 2.001, 3.0, 4.0]
-    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=2, neighbours=False),
-                                         None)]
+    got = [p for p, _ in search.candidates(LAYER, None, 1, "forward", search.SearchOptions(top=2, neighbours=False),
+                                           None)]
     assert got == [base, base.replace(fc2_block_n=256), base.replace(dispatch_programs=64, block_m=64)]
 
 
@@ -136,29 +137,29 @@ def test_neighbours_swap_one_gemm_stage_of_the_models_best_and_the_measured_best
     best = base.replace(dispatch_programs=32)
     fake_model.points = [best, base.replace(block_m=64)]
     out = []
-    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=1), None, best_out=out)]
+    got = [p for p, _ in search.candidates(LAYER, None, 1, "forward", search.SearchOptions(top=1), None, best_out=out)]
     assert out == [best]
     # the default, the model's best, then each other fc1 and fc2 choice on the best (fc2 16 wide is
     # infeasible in the fake space; backward and reduce stages are not forward neighbours)
     assert got == [base, best, best.replace(fc1_block_n=64, fc1_num_warps=4), best.replace(fc2_tma=True),
                    best.replace(fc2_block_n=256)]
-    back = [p for p, _ in tune.candidates(LAYER, None, 1, "backward", tune.SearchOptions(top=1), None)]
+    back = [p for p, _ in search.candidates(LAYER, None, 1, "backward", search.SearchOptions(top=1), None)]
     assert back == [base, best, best.replace(da_block_n=64)]
     # No model point at all: the neighbours are the default's.
     fake_model.points = []
     out = []
-    got = [p for p, _ in tune.candidates(LAYER, None, 1, "forward", tune.SearchOptions(top=1), None, best_out=out)]
+    got = [p for p, _ in search.candidates(LAYER, None, 1, "forward", search.SearchOptions(top=1), None, best_out=out)]
     assert out == [base] and got[0] == base and got[1] == base.replace(fc1_block_n=64, fc1_num_warps=4)
 
     # The combination takes each stage's fastest choice that beat the best, and only those.
     fc1 = best.replace(fc1_block_n=64, fc1_num_warps=4)
     tma, wide = best.replace(fc2_tma=True), best.replace(fc2_block_n=256)
     measured = {base: 2.6, best: 2.5, fc1: 2.4, tma: 2.45, wide: 2.3, base.replace(block_m=64): 1.0}
-    assert tune.combined_choices(best, measured, "forward") == best.replace(fc1_block_n=64, fc1_num_warps=4,
-                                                                            fc2_block_n=256)
+    assert search.combined_choices(best, measured, "forward") == best.replace(fc1_block_n=64, fc1_num_warps=4,
+                                                                              fc2_block_n=256)
     measured.update({fc1: 2.6, wide: None})
-    assert tune.combined_choices(best, measured, "forward") == tma  # fc1's choice lost, wide failed
-    assert tune.combined_choices(best, {best: None, tma: 1.0}, "forward") == best  # the best failed: no step
+    assert search.combined_choices(best, measured, "forward") == tma  # fc1's choice lost, wide failed
+    assert search.combined_choices(best, {best: None, tma: 1.0}, "forward") == best  # the best failed: no step
 
 
 def test_weight_gradient_tiles_are_backward_neighbours_where_the_triton_kernel_writes_fp32_gradients(fake_model):
@@ -170,20 +171,20 @@ def test_weight_gradient_tiles_are_backward_neighbours_where_the_triton_kernel_w
     fake_model.points = [base.replace(dispatch_programs=32)]
     best = fake_model.points[0]
     wgrad = [best.replace(wgrad_w13_block_m=64), best.replace(wgrad_w13_block_m=64, wgrad_w2_num_stages=4)]
-    options = tune.SearchOptions(top=1)
+    options = search.SearchOptions(top=1)
     fp32 = dataclasses.replace(LAYER, weight_grad_dtype=torch.float32)
     for layer, direction, want in ((LAYER, "backward", [best.replace(da_block_n=64)]),
                                    (dataclasses.replace(LAYER, weight_grad_dtype=torch.bfloat16), "backward",
                                     [best.replace(da_block_n=64)]),
                                    (fp32, "backward", [best.replace(da_block_n=64), *wgrad]),
                                    (fp32, "forward", [best.replace(fc1_block_n=64)])):
-        got = [p for p, _ in tune.candidates(layer, None, 1, direction, options, None)]
+        got = [p for p, _ in search.candidates(layer, None, 1, direction, options, None)]
         assert got == [base, best, *want], (layer.weight_grad_dtype, direction)
     # The combination adopts the weight-gradient choice only where those tiles are neighbours.
     measured = {best: 2.5, wgrad[0]: 2.6, wgrad[1]: 2.2, best.replace(da_block_n=64): 2.4}
-    shape = tune.layer_shape(fp32, 1)
-    assert tune.combined_choices(best, measured, "backward", shape) == wgrad[1].replace(da_block_n=64)
-    assert tune.combined_choices(best, measured, "backward", tune.layer_shape(LAYER, 1)) == \
+    shape = search.layer_shape(fp32, 1)
+    assert search.combined_choices(best, measured, "backward", shape) == wgrad[1].replace(da_block_n=64)
+    assert search.combined_choices(best, measured, "backward", search.layer_shape(LAYER, 1)) == \
         best.replace(da_block_n=64)
 
 
@@ -196,27 +197,27 @@ def test_pick_takes_the_fastest_point_with_the_default_bits():
         asked.append(name)
         return kinds[name]
 
-    chosen, notes, violations = tune.pick(measured, list(measured), "default", 0.02, same_bits)
+    chosen, notes, violations = search.pick(measured, list(measured), "default", 0.02, same_bits)
     assert chosen == "good" and asked == ["numerics", "broken", "good"]
     assert notes == ["numerics: 1.429x faster but changes bits (not cached)"]
     assert violations == ["broken: a schedule point whose bits differ from the default's"]
     # Within min_gain of the default (9.9 vs 10.0): the default stays, nothing is verified.
     asked.clear()
-    assert tune.pick({"default": 10.0, "tie": 9.9}, ["default", "tie"], "default", 0.02, same_bits)[0] == "default"
+    assert search.pick({"default": 10.0, "tie": 9.9}, ["default", "tie"], "default", 0.02, same_bits)[0] == "default"
     assert asked == []
     # Every faster point changes bits: the default.
-    chosen, notes, _ = tune.pick({"default": 10.0, "numerics": 7.0}, ["default", "numerics"], "default", 0.02,
-                                 same_bits)
+    chosen, notes, _ = search.pick({"default": 10.0, "numerics": 7.0}, ["default", "numerics"], "default", 0.02,
+                                   same_bits)
     assert chosen == "default" and len(notes) == 1
-    assert tune.pick({"default": 5.0, "good": 8.0}, ["default", "good"], "default", 0.0, same_bits)[0] == "default"
+    assert search.pick({"default": 5.0, "good": 8.0}, ["default", "good"], "default", 0.0, same_bits)[0] == "default"
 
 
 def test_changed_fields_are_the_cache_form_of_a_point():
     base = default_params(2, hidden=768)
     point = base.replace(fc2_block_n=256, local_first=True)
-    assert tune.changed_fields(point, base) == {"fc2_block_n": 256, "local_first": True}
-    assert base.replace(**tune.changed_fields(point, base)) == point
-    assert tune.label(base, base) == "default" and tune.label(point, base) == "local_first=True,fc2_block_n=256"
+    assert search.changed_fields(point, base) == {"fc2_block_n": 256, "local_first": True}
+    assert base.replace(**search.changed_fields(point, base)) == point
+    assert search.label(base, base) == "default" and search.label(point, base) == "local_first=True,fc2_block_n=256"
 
 
 def test_alternating_rounds_build_each_path_alone_and_drop_a_failing_one(monkeypatch):
@@ -285,7 +286,7 @@ def test_the_command_line_sets_the_weight_gradients_dtype_the_backward_is_timed_
                        (["--config", config, "--weight-grad-dtype", "data"], None)):
         (layer,) = tune.requested_layers(parser, parser.parse_args(argv), 1)
         assert layer.weight_grad_dtype == want, argv
-        assert tune.layer_shape(layer, 1).grad_bytes == (4 if want else 2)
+        assert search.layer_shape(layer, 1).grad_bytes == (4 if want else 2)
 
 
 def test_the_confirmation_run_takes_the_fastest_the_default_and_the_combined_choices(fake_model):
@@ -297,34 +298,34 @@ def test_the_confirmation_run_takes_the_fastest_the_default_and_the_combined_cho
     fake_model.repeats_another = lambda point, shape: False
     best = base.replace(dispatch_programs=32)
     fc1, tma = best.replace(fc1_block_n=64, fc1_num_warps=4), best.replace(fc2_tma=True)
-    names = {p: tune.label(p, base) for p in (base, best, fc1, tma)}
+    names = {p: search.label(p, base) for p in (base, best, fc1, tma)}
     points = {names[p]: p for p in names}
 
     def timed(default_ms, best_ms, fc1_ms, tma_ms):
         return dict(zip(points, (default_ms, best_ms, fc1_ms, tma_ms)))
 
     times = timed(2.6, 2.5, 2.45, 2.4)
-    plain = tune.SearchOptions(neighbours=False)
-    assert tune.confirmation_set(times, points, base, best, "forward", plain, None, None) == \
+    plain = search.SearchOptions(neighbours=False)
+    assert search.confirmation_set(times, points, base, best, "forward", plain, None, None) == \
         (["default", names[tma]], {})
     # With neighbours: also the model's best with both stages' faster choices, a new point.
-    final, new = tune.confirmation_set(times, points, base, best, "forward", tune.SearchOptions(), None, None)
+    final, new = search.confirmation_set(times, points, base, best, "forward", search.SearchOptions(), None, None)
     both = best.replace(fc1_block_n=64, fc1_num_warps=4, fc2_tma=True)
-    assert new == {tune.label(both, base): both} and final == ["default", names[tma], tune.label(both, base)]
+    assert new == {search.label(both, base): both} and final == ["default", names[tma], search.label(both, base)]
     # One stage's choice beat the best: that neighbour, already measured, is confirmed, not a new point.
-    final, new = tune.confirmation_set(timed(2.6, 2.5, 2.7, 2.55), points, base, best, "forward",
-                                       tune.SearchOptions(), None, None)
+    final, new = search.confirmation_set(timed(2.6, 2.5, 2.7, 2.55), points, base, best, "forward",
+                                         search.SearchOptions(), None, None)
     assert final == ["default", names[best]] and new == {}
-    final, new = tune.confirmation_set(timed(2.6, 2.5, 2.7, 2.45), points, base, best, "forward",
-                                       tune.SearchOptions(), None, None)
+    final, new = search.confirmation_set(timed(2.6, 2.5, 2.7, 2.45), points, base, best, "forward",
+                                         search.SearchOptions(), None, None)
     assert final == ["default", names[tma]] and new == {}
     # The default is the fastest and no stage choice beat the best: nothing to confirm (no second run).
-    final, new = tune.confirmation_set(timed(2.0, 2.5, 2.6, None), points, base, best, "forward",
-                                       tune.SearchOptions(), None, None)
+    final, new = search.confirmation_set(timed(2.0, 2.5, 2.6, None), points, base, best, "forward",
+                                         search.SearchOptions(), None, None)
     assert final == ["default"] and new == {}
     # A combination the space rejects is not measured.
     fake_model.feasible = lambda point, shape, hw: "too big" if point == both else None
-    assert tune.confirmation_set(times, points, base, best, "forward", tune.SearchOptions(), None, None) == \
+    assert search.confirmation_set(times, points, base, best, "forward", search.SearchOptions(), None, None) == \
         (["default", names[tma]], {})
 
 
@@ -356,9 +357,9 @@ def test_the_tuned_entry_is_verified_with_the_weight_gradients_in_each_dtype():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.group.WORLD
-        assert tune.verify_entry(forward, backward_of(torch.float32), default, default, tuned, h13, group,
-                                 "cpu") == ["dw1 in float32"]
-        assert tune.verify_entry(forward, backward_of("never"), default, default, tuned, h13, group, "cpu") == []
-        assert tune.BACKWARD_NAMES[2:5] == ("dw1", "dw2", "dw3")
+        assert search.verify_entry(forward, backward_of(torch.float32), default, default, tuned, h13, group,
+                                   "cpu") == ["dw1 in float32"]
+        assert search.verify_entry(forward, backward_of("never"), default, default, tuned, h13, group, "cpu") == []
+        assert search.BACKWARD_NAMES[2:5] == ("dw1", "dw2", "dw3")
     finally:
         dist.destroy_process_group()

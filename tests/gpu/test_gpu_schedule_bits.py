@@ -221,27 +221,27 @@ def test_tuner_refuses_to_cache_a_point_that_changes_bits(one_rank_group, monkey
     other bits with scores after the experts; the one-field check shows it on
     every GPU shape) planted as both directions' choice: the search caches
     nothing and its refusal names the field and the tensors."""
-    from titan_uniep.tools import tune
+    from titan_uniep.tuning import search
 
-    layer = tune.MoELayer("planted", 512, 576, 744, 20, 4)
+    layer = search.MoELayer("planted", 512, 576, 744, 20, 4)
     default = default_params(1, hidden=layer.hidden)
     planted = default.replace(dh_block_n=64 if default.dh_block_n != 64 else 32)
 
     def two_candidates(layer, stats, world, direction, options, hw, ranked=None, best_out=None):
         from titan_uniep.tuning.model import predict
 
-        shape = tune.layer_shape(layer, world)
+        shape = search.layer_shape(layer, world)
         if best_out is not None:
             best_out.append(default)
         return [(p, predict(shape, stats, world, p, hw)) for p in (default, planted)]
 
-    monkeypatch.setattr(tune, "candidates", two_candidates)
+    monkeypatch.setattr(search, "candidates", two_candidates)
     # Whatever was measured, the planted point is picked for both directions (pick's own check bypassed).
-    monkeypatch.setattr(tune, "pick", lambda measured, names, default_name, min_gain, same_bits:
-                        (tune.label(planted, default), [], []))
-    options = tune.SearchOptions(top=1, warmup=1, reps=1, rounds=1, confirm_rounds=1, neighbours=False,
-                                 progress=False)
-    result = tune.search_layer(one_rank_group, layer, options)
+    monkeypatch.setattr(search, "pick", lambda measured, names, default_name, min_gain, same_bits:
+                        (search.label(planted, default), [], []))
+    options = search.SearchOptions(top=1, warmup=1, reps=1, rounds=1, confirm_rounds=1, neighbours=False,
+                                   progress=False)
+    result = search.search_layer(one_rank_group, layer, options)
     assert result.entry is None, "a point that changes bits was cached"
     (message,) = result.violations
     assert "dh_block_n" in message and "refused" in message and "dscores" in message, message
@@ -251,11 +251,11 @@ def test_the_search_times_the_backward_with_the_layers_weight_gradient_dtype(one
     """A layer whose training writes fp32 weight gradients (fp32 master
     weights) is timed that way, and the weight-gradient kernel's tile choices
     are among its backward candidates; the entry records the dtype."""
-    from titan_uniep.tools import tune
+    from titan_uniep.tuning import search
 
-    layer = tune.MoELayer("fp32 grads", 512, 576, 744, 20, 4, weight_grad_dtype=torch.float32)
+    layer = search.MoELayer("fp32 grads", 512, 576, 744, 20, 4, weight_grad_dtype=torch.float32)
     timing, timed_dtypes = [False], set()
-    real_backward, real_timing = tune.moe_backward, tune.time_alternating
+    real_backward, real_timing = search.moe_backward, search.time_alternating
 
     def recording_backward(*args, weight_grad_dtype=None, **kwargs):
         if timing[0]:
@@ -269,10 +269,10 @@ def test_the_search_times_the_backward_with_the_layers_weight_gradient_dtype(one
         finally:
             timing[0] = False
 
-    monkeypatch.setattr(tune, "moe_backward", recording_backward)
-    monkeypatch.setattr(tune, "time_alternating", flagged_timing)
-    options = tune.SearchOptions(top=1, warmup=1, reps=2, rounds=1, confirm_rounds=1, progress=False)
-    result = tune.search_layer(one_rank_group, layer, options)
+    monkeypatch.setattr(search, "moe_backward", recording_backward)
+    monkeypatch.setattr(search, "time_alternating", flagged_timing)
+    options = search.SearchOptions(top=1, warmup=1, reps=2, rounds=1, confirm_rounds=1, progress=False)
+    result = search.search_layer(one_rank_group, layer, options)
     assert timed_dtypes == {torch.float32}
     backward_points = [row["point"] for row in result.table["backward"]]
     assert any("wgrad_w13_block_m" in name for name in backward_points), backward_points

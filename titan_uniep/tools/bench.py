@@ -61,6 +61,7 @@ from titan_uniep.timing import time_alternating, time_ms
 
 __all__ = ["bench_shape", "build_parser", "check", "main"]
 
+PROG = "python3 -m titan_uniep.tools.bench"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -241,7 +242,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
         if args.profile and name == next(iter(args.shape_names)):
             profile_kernels(uniep, rank)
     if args.report:
-        from titan_uniep.tools.tune import MoELayer, predictions
+        from titan_uniep.tuning.search import MoELayer, predictions
 
         points = {"default": params, **({"tuned": tuned} if tuned is not None else {})}
         record["model"] = predictions(MoELayer(name, *shape, sb, dtype), indices, group, points, args.constants)
@@ -339,7 +340,8 @@ def forward_stats(sequential: torch.Tensor, fused: torch.Tensor, titan: torch.Te
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backward", action="store_true", help="forward + backward (titan_uniep.tools.bench_backward)")
     add_shape_argument(parser, default=("qwen3",))
     parser.add_argument("--routing", choices=("balanced", "skewed", "zipf"), default="balanced")
@@ -375,7 +377,15 @@ def main(argv=None) -> None:
 
         argv.remove("--backward")
         return backward_main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # One line each, before any CUDA or NCCL call fails deep in torch.
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{PROG}: error: it times CUDA kernels: it needs a CUDA GPU (on a CPU, "
+                       "python3 -m pytest tests/test_op.py checks the same op in Triton's interpreter)\n")
+    if "RANK" not in os.environ:
+        parser.exit(2, f"{PROG}: error: launch it with torchrun, one process per GPU of the EP group: "
+                       "torchrun --nproc_per_node 1 -m titan_uniep.tools.bench --shape ...\n")
     if args.tuned_cache is None:
         from titan_uniep.tuning.cache import default_cache_path
 

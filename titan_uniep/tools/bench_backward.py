@@ -57,6 +57,7 @@ from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_
 from titan_uniep.shapes import add_shape_argument, layer_inputs
 from titan_uniep.timing import time_alternating
 
+PROG = "python3 -m titan_uniep.tools.bench_backward"
 GRAD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
 
 
@@ -223,7 +224,7 @@ def bench_shape(name, shape, args, group, mesh, dev):
         result["check"] = stats
         result["check_failures"] = failures(stats, LIMITS["backward"]["bf16"])
     if args.report:
-        from titan_uniep.tools.tune import MoELayer, predictions
+        from titan_uniep.tuning.search import MoELayer, predictions
 
         default = bwd_ws.inner.params
         points = {"default": (fwd_ws.params, default)}
@@ -325,7 +326,8 @@ def profile_backward(call, rank: int, name: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_argument(parser, default=("qwen3", "deepseek"))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -346,7 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # One line each, before any CUDA or NCCL call fails deep in torch.
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{PROG}: error: it times CUDA kernels: it needs a CUDA GPU (on a CPU, "
+                       "python3 -m pytest tests/test_op.py checks the same op in Triton's interpreter)\n")
+    if "RANK" not in os.environ:
+        parser.exit(2, f"{PROG}: error: launch it with torchrun, one process per GPU of the EP group: "
+                       "torchrun --nproc_per_node 1 -m titan_uniep.tools.bench_backward --shape ...\n")
     if args.tuned_cache is None:
         from titan_uniep.tuning.cache import default_cache_path
 

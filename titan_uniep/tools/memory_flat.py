@@ -34,7 +34,8 @@ def spread(run: Path, skip: int) -> dict[str, tuple[int, int, int]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m titan_uniep.tools.memory_flat",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path)
     parser.add_argument("--skip", type=int, default=5)
     parser.add_argument("--tolerance-mib", type=float, default=0.0)

@@ -12,8 +12,8 @@ and the predicted stages of the default and the tuned point (right).
 
 The records are the benches' JSON lines (``bench.bench_shape``,
 ``bench_backward.bench_shape``); a record's ``"model"`` holds
-``tune.predictions`` (absent: no model row). Plots need matplotlib; without
-it the Markdown says so and no PNG is written.
+``tuning.search.predictions`` (absent: no model row). Plots need matplotlib;
+without it the Markdown says so and no PNG is written.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   size / kernel version, named). A file that cannot be read or is not a
   tuning cache is an error at start-up (``titan_uniep.torchtitan.preflight``), before
   the model is built.
-- ``"search"``: at start-up, the measured search (``titan_uniep.tools.tune``) of
+- ``"search"``: at start-up, the measured search (``tuning.search``) of
   every MoE shape of the run, on the EP group, merged into the cache file
   (by global rank 0); then as ``"cached"``. GPU only.
 
@@ -106,7 +106,9 @@ def configure_tuning(group: dist.ProcessGroup, mode: str, cache_path: str, *, mo
     register the policy for ``group``'s workspaces."""
     policy = TuningPolicy.from_config(mode, cache_path)
     if mode == "search":
-        from titan_uniep.tools.tune import MoELayer, SearchOptions, search_layer
+        # Here, not at the top: the search loads the runtime and its kernels, which the start-up
+        # checks (torchtitan.preflight) that import this module for TuningPolicy must not.
+        from .search import MoELayer, SearchOptions, search_layer
 
         layers = {}
         for moe in moe_modules:

@@ -39,7 +39,7 @@ value of every field on three shapes, both score modes; its table is in
 ``docs/design.md``, "Schedule and numerics fields") and the GPU property
 test ``tests/gpu/test_gpu_schedule_bits.py`` (48 sampled points, bf16 and
 fp16). The tuner also compares a point's every output with the default's
-before caching it (``tune.verify_entry``).
+before caching it (``search.verify_entry``).
 
 ``LayerShape`` is a layer's shape as the tuner sees it; ``feasible`` is the
 constraint check (shared memory and registers per program times programs per
