@@ -49,7 +49,47 @@ def test_dump_folder_keeps_exact_floats_and_last_value_of_a_repeated_step(tmp_pa
     run = load_run(folder)
     assert run.exact
     assert run.losses == {1: LOSSES[0], 2: LOSSES[1], 3: 7.0}
+    assert run.repeated == [3]
     assert load_run(folder / "loss.jsonl").losses == run.losses
+
+
+def test_a_run_with_repeated_steps_is_compared_on_their_last_records_and_says_so(tmp_path, capsys):
+    # A loss.jsonl of a run resumed into its dump folder before loss_file kept one record per step.
+    a = write_dump(tmp_path / "a", LOSSES + [7.1, 7.0])
+    b = write_dump(tmp_path / "b", LOSSES + [7.1, 7.0])
+    with open(b / "loss.jsonl", "a") as f:  # resumed from a checkpoint at step 2: steps 3-5 again
+        for step, loss in enumerate(LOSSES[2:] + [7.1, 7.0], 3):
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    assert run_main(a, b, "--assert-bitwise", "--plot", tmp_path / "p.png") == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"note: {b / 'loss.jsonl'} has more than one record of steps 3-5 (a run resumed into the same folder, "
+        "written before titan_uniep kept one record per step); comparing the last record of each, the resumed run's"]
+    assert "verdict: bitwise equal" in captured.out
+
+
+def test_a_truncated_loss_file_is_named_with_its_line(tmp_path, capsys):
+    a = write_dump(tmp_path / "a", LOSSES)
+    b = write_dump(tmp_path / "b", LOSSES)
+    text = (b / "loss.jsonl").read_text()
+    (b / "loss.jsonl").write_text(text[:text.rindex('"loss"') + 3])  # killed while writing step 3's record
+    assert run_main(a, b) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {b / 'loss.jsonl'}, line 3: not a JSON record (Unterminated string starting at: "
+                          "column "), err
+    assert err.rstrip().endswith("the file ends in the middle of it: it looks truncated (a run killed while writing "
+                                 "it). Delete line 3 to compare the other steps"), err
+
+
+def test_a_record_cut_short_inside_a_loss_file_is_named_with_its_line(tmp_path):
+    # Killed mid-write, then resumed into the same folder by a version that appended.
+    folder = write_dump(tmp_path / "run", LOSSES)
+    lines = (folder / "loss.jsonl").read_text().splitlines()
+    (folder / "loss.jsonl").write_text(lines[0] + "\n" + lines[1][:20] + lines[1] + "\n" + lines[2] + "\n")
+    with pytest.raises(ValueError) as err:
+        load_run(folder)
+    assert str(err.value).startswith(f"{folder / 'loss.jsonl'}, line 2: not a JSON record ("), err.value
+    assert "it looks cut short (a run killed while writing it, then resumed into the same folder)" in str(err.value)
 
 
 def test_identical_dumps_are_bitwise_equal_and_exit_zero(tmp_path, capsys):

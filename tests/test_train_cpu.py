@@ -15,6 +15,7 @@ requires_torchtitan("0.2.2")  # the TorchTitan 0.2.2 edge
 
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -113,6 +114,28 @@ def test_baseline_resumes_its_own_checkpoint_bitwise(baseline, tmp_path):
     assert resumed.losses == {s: baseline.losses[s] for s in resumed_steps()}
 
 
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)  # the checkpoint is only read
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def test_a_run_resumed_into_its_dump_folder_keeps_one_loss_record_per_step(baseline, tmp_path):
+    # The baseline's dump folder as a run killed after its checkpoint at CHECKPOINT_STEP
+    # leaves it: loss.jsonl of steps 1..STEPS and that (full) checkpoint. Rerunning the
+    # same command resumes from it and trains steps CHECKPOINT_STEP+1..STEPS again.
+    dump = tmp_path / "run"
+    checkpoint = f"checkpoint/step-{CHECKPOINT_STEP}"
+    shutil.copytree(baseline.dump_folder / checkpoint, dump / checkpoint, copy_function=_link_or_copy)
+    shutil.copyfile(baseline.dump_folder / "loss.jsonl", dump / "loss.jsonl")
+    resumed = train(BASELINE, dump, *SMALL_BATCH, *SAVE, steps=STEPS)
+    assert f"Loading the checkpoint from {dump / checkpoint}." in resumed.output
+    logged = [json.loads(line)["step"] for line in (dump / "loss.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, STEPS + 1))  # not 1..8 and 5..8 again
+    assert resumed.losses == baseline.losses  # the earlier run's steps, then the resumed ones: the same bits
+
+
 @pytest.fixture(scope="module")
 def uniep_resumed_with_planted_guard_difference(uniep, tmp_path_factory):
     """UniEP resumed from its own checkpoint with guard = "check" on every step
@@ -204,7 +227,7 @@ def test_strict_guard_stops_every_rank_at_the_planted_step(one_expert_then_stric
     assert sorted(failures) == [0, 1], run.output[-4000:]
     for rank, failure in failures.items():
         assert any(message in line for line in run.rank_lines(rank)), f"rank {rank} never reached the guard's error"
-        assert re.match(r"(exit code 1|signal SIGTERM)\b", failure), f"rank {rank}: {failure}"
+        assert re.match(r"(exit code 1|stopped by torchrun \(SIGTERM\))", failure), f"rank {rank}: {failure}"
     assert any(f.startswith("exit code 1: ") and message in f for f in failures.values()), failures
     # The report ends with the first failed rank's error, not with torchrun's traceback.
     assert message in run.output.splitlines()[-1] and "ChildFailedError" not in run.output, run.output[-3000:]

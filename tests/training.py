@@ -68,17 +68,24 @@ class TrainRun:
         return load_run(self.dump_folder).losses
 
     def failures(self) -> dict[int, str]:
-        """The launcher's failure report (``titan_uniep.torchtitan.torchrun``), by rank: each failed
-        rank's exit status (``exit code N`` or ``signal SIGTERM``) and what it recorded
-        before exiting (present even when torchrun stopped it afterwards): the first
-        rank's error in full, the others' first line or ``the same error``."""
+        """The launcher's failure report (``titan_uniep.torchtitan.torchrun``), by rank: each
+        rank's exit status (``exit code N``, ``signal SIGKILL``, or ``stopped by torchrun
+        (SIGTERM)`` for a rank torchrun stopped once another had failed) and what it
+        recorded before exiting (present even when torchrun stopped it afterwards): the
+        first rank's error in full, the others' first line or ``the same error``."""
         report = {}
         lines = self.output.splitlines()
         for i, line in enumerate(lines):
-            found = re.fullmatch(r"rank (\d+) failed (too|first) \(([^)]*)\)(.*)", line)
-            if found:
-                rank, order, status, rest = found.groups()
+            failed = re.fullmatch(r"rank (\d+) failed (too|first) \(([^)]*)\)(.*)", line)
+            stopped = re.fullmatch(r"rank (\d+) was stopped by torchrun \((\w+)\) after rank \d+ failed"
+                                   r"(?:; it had recorded (.*))?", line)
+            if failed:
+                rank, order, status, rest = failed.groups()
                 said = "\n".join(lines[i + 1:]) if order == "first" else rest.removeprefix(": ")
+                report[int(rank)] = f"{status}: {said}" if said else status
+            elif stopped:
+                rank, signal_name, said = stopped.groups()
+                status = f"stopped by torchrun ({signal_name})"
                 report[int(rank)] = f"{status}: {said}" if said else status
         return report
 

@@ -81,7 +81,7 @@ def test_uniep_rerun_is_bitwise_equal(runs):
 
 def test_uniep_resumes_its_own_checkpoint_bitwise(runs):
     resumed = runs["resumed"]
-    assert sorted(resumed) == list(range(1, STEPS + 1)), "loss.jsonl appends the resumed steps"
+    assert sorted(resumed) == list(range(1, STEPS + 1)), "loss.jsonl holds every step of both parts"
     assert resumed == runs["uniep"]
 
 

@@ -25,6 +25,12 @@ asked, 1 when they differ beyond ``--assert-bitwise`` / ``--rtol`` /
 A NaN loss is a difference: it equals nothing, not even a NaN at the same
 step of the other run, so two diverged runs are never "bitwise equal" or
 within a tolerance. Runs with different steps get no verdict at all.
+
+A run that records a step more than once (a loss.jsonl of a run resumed into
+the same dump folder, written before it kept one record per step) is compared
+on the last record of each, the resumed run's, and a note names those steps.
+A loss.jsonl line that is not a record (the last one of a run killed while
+writing it) stops the comparison with the file and the line (exit 2).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LOSS_FILE = "loss.jsonl"
@@ -47,10 +53,14 @@ _LOG_LINE = re.compile(r"(?<!validate )\bstep:\s*(\d+)\s+loss:\s*([-+]?(?:nan|in
 @dataclass
 class Run:
     losses: dict[int, float]
-    """step -> loss; a step logged twice (a resumed run) keeps its last value."""
+    """step -> loss; a step logged twice keeps its last value (see ``repeated``)."""
     exact: bool
     """True when the losses are the exact floats (loss.jsonl), False for 5-decimal log text."""
     source: Path
+    repeated: list[int] = field(default_factory=list)
+    """Steps the source logs more than once, ascending: a run resumed into the same dump
+    folder before ``loss.jsonl`` kept one record per step appended the steps it trained
+    again. The last record, the resumed run's, is the one kept."""
 
 
 @dataclass
@@ -76,24 +86,74 @@ class Comparison:
     """Both runs carry exact floats, so ``bitwise`` is a bitwise claim."""
 
 
+def _jsonl_losses(path: Path, text: str) -> list[tuple[int, float]]:
+    """``(step, loss)`` of every record of a loss.jsonl, in file order; a line that is
+    not a record raises ValueError naming the file and the line."""
+    lines = text.splitlines()
+    last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            records.append((int(record["step"]), float(record["loss"])))
+        except json.JSONDecodeError as err:
+            cut = ("the file ends in the middle of it: it looks truncated (a run killed while writing it)"
+                   if n == last and not text.endswith("\n") else
+                   "it looks cut short (a run killed while writing it, then resumed into the same folder)")
+            raise ValueError(f"{path}, line {n}: not a JSON record ({err.msg}: column {err.colno}); {cut}. "
+                             f"Delete line {n} to compare the other steps") from None
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}, line {n}: not a loss record (it needs \"step\" and \"loss\"): "
+                             f"{line[:80]}") from None
+    return records
+
+
 def load_run(path: str | Path) -> Run:
-    """Read a dump folder, a loss.jsonl or a TorchTitan log (colour codes allowed)."""
+    """Read a dump folder, a loss.jsonl or a TorchTitan log (colour codes allowed).
+
+    Raises FileNotFoundError without the file, and ValueError, naming the file and
+    the line, for a loss.jsonl line that is not a loss record (e.g. the last one of
+    a run killed while writing it)."""
     path = Path(path)
     if path.is_dir():
         path = path / LOSS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; pass a dump folder with {LOSS_FILE}, a {LOSS_FILE} or a log")
     text = path.read_text(encoding="utf-8", errors="replace")
-    first = text.lstrip()[:1]
-    if first == "{":
-        losses = {}
-        for line in text.splitlines():
-            if line.strip():
-                record = json.loads(line)
-                losses[int(record["step"])] = float(record["loss"])
-        return Run(losses, exact=True, source=path)
-    losses = {int(m.group(1)): float(m.group(2)) for m in _LOG_LINE.finditer(_ANSI.sub("", text))}
-    return Run(losses, exact=False, source=path)
+    exact = text.lstrip()[:1] == "{"
+    if exact:
+        records = _jsonl_losses(path, text)
+    else:
+        records = [(int(m.group(1)), float(m.group(2))) for m in _LOG_LINE.finditer(_ANSI.sub("", text))]
+    losses, repeated = {}, set()
+    for step, loss in records:
+        if step in losses:
+            repeated.add(step)
+        losses[step] = loss
+    return Run(losses, exact=exact, source=path, repeated=sorted(repeated))
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``3-5, 9``: ascending steps as ranges."""
+    ranges, start = [], None
+    for i, step in enumerate(steps):
+        start = step if start is None else start
+        if i + 1 == len(steps) or steps[i + 1] != step + 1:
+            ranges.append(f"{start}" if start == step else f"{start}-{step}")
+            start = None
+    return ", ".join(ranges)
+
+
+def repeated_steps_note(run: Run) -> str:
+    """What ``compare`` makes of a run that logs some steps more than once ("" if none)."""
+    if not run.repeated:
+        return ""
+    why = ("a run resumed into the same folder, written before titan_uniep kept one record per step"
+           if run.exact else "the log of a run and of its resume, one after the other")
+    return (f"note: {run.source} has more than one record of step{'s' if len(run.repeated) > 1 else ''} "
+            f"{_steps_text(run.repeated)} ({why}); comparing the last record of each, the resumed run's")
 
 
 def _same(a: float, b: float) -> bool:
@@ -244,9 +304,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    for run in (a, b):
+        if run.repeated:
+            print(repeated_steps_note(run), file=sys.stderr)
     if args.max_step is not None:
         for run in (a, b):
             run.losses = {step: loss for step, loss in run.losses.items() if step <= args.max_step}

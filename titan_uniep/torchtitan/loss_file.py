@@ -1,6 +1,8 @@
 """``<dump_folder>/loss.jsonl``: every logged step's exact loss and TorchTitan's own figures.
 
-Written by rank 0 of a run of either edge's trainer, one line per logged step:
+Written by rank 0 of a run of either edge's trainer, one line per logged step
+(a run resumed into the same dump folder replaces the records of the steps it
+trains again, so a step has one line):
 ``{"step": N, "loss": L, "max_loss": M, "grad_norm": G, "time": T, ...}``,
 where L is the exact float TorchTitan prints with 5 decimals (global average
 loss over all valid tokens of the step), M the largest per-rank average, and
@@ -32,6 +34,7 @@ figures from them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -39,7 +42,9 @@ import time
 import torch
 from torchtitan.components.metrics import BaseLogger
 
-__all__ = ["LOSS_FILE", "TORCHTITAN_METRICS", "record_losses"]
+__all__ = ["LOSS_FILE", "TORCHTITAN_METRICS", "keep_steps_before", "record_losses"]
+
+logger = logging.getLogger(__name__)
 
 LOSS_FILE = "loss.jsonl"
 
@@ -87,6 +92,38 @@ def _memory() -> dict:
             "mem_symmetric": op.symmetric_memory_bytes() if op is not None else 0, "mem_device_used": total - free}
 
 
+def keep_steps_before(path: str, first_step: int) -> tuple[int, int]:
+    """Rewrite the loss file at ``path`` with one record of each step before
+    ``first_step``, the first step a run will train; return how many records it
+    kept and how many it dropped.
+
+    A run resumed from a checkpoint at step S trains steps S+1 on again: the
+    records the earlier run wrote of those steps (and any line cut short where
+    it was killed mid-write) go, so the file keeps one record per step. Of a
+    step recorded more than once (a file an earlier version appended a resumed
+    run to) the last record stays, the resumed run's. A fresh run
+    (``first_step`` 1) starts an empty file. The file is replaced whole (a
+    partial file renamed into place), so a run killed meanwhile leaves the old
+    file or the new one."""
+    kept, records = {}, 0
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    step = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):  # a line cut short by a kill: not a record
+                    continue
+                records += 1
+                if step < first_step:
+                    kept[step] = line if line.endswith("\n") else line + "\n"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.writelines(kept[step] for step in sorted(kept))
+    os.replace(partial, path)
+    return len(kept), records - len(kept)
+
+
 def record_losses(metrics_processor, dump_folder: str) -> None:
     """Make ``metrics_processor`` (a built trainer's) also append every logged step to
     ``<dump_folder>/loss.jsonl``; call it on rank 0 only.
@@ -95,14 +132,29 @@ def record_losses(metrics_processor, dump_folder: str) -> None:
     TorchTitan already holds the all-reduced loss as a Python float, so the
     recorded value is the logged one and training does no extra collective;
     its logger backend, wrapped too, hands over the throughput and memory
-    figures that call computed. Step 1 starts a fresh file, so rerunning into
-    the same dump folder does not mix two runs; a run resumed from a checkpoint
-    appends.
+    figures that call computed. The file keeps one record per step: the
+    trainer asks ``metrics_processor.should_log(step)`` after every step it
+    trains (0.2.2 and 0.3.0), so its first call names the first step this run
+    trains, after any checkpoint was loaded; the records of that step and later
+    ones go then (``keep_steps_before``): rerunning into the same dump folder
+    starts a fresh file, and a run resumed from a checkpoint at step S replaces
+    the earlier run's records of steps S+1 on.
     """
     path = os.path.join(dump_folder, LOSS_FILE)
     start = time.perf_counter()
-    log = metrics_processor.log
+    log, should_log = metrics_processor.log, metrics_processor.should_log
     backend = metrics_processor.logger = _KeepLastMetrics(metrics_processor.logger)
+    first_step = None
+
+    def start_at_first_step(step: int) -> bool:
+        nonlocal first_step
+        if first_step is None:
+            first_step = step
+            kept, dropped = keep_steps_before(path, step)
+            if step > 1 and (kept or dropped):  # a resumed run
+                logger.info("UniEP: this run trains from step %d on: %s keeps %d records (one per earlier step) "
+                            "and drops %d", step, path, kept, dropped)
+        return should_log(step)
 
     def log_and_record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         memory = _memory()  # before log(), which resets the peak statistics
@@ -112,8 +164,10 @@ def record_losses(metrics_processor, dump_folder: str) -> None:
                     if key in backend.last}
         line = {"step": step, "loss": float(global_avg_loss), "max_loss": float(global_max_loss),
                 "grad_norm": float(grad_norm), "time": round(time.perf_counter() - start, 4), **computed, **memory}
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w" if step == 1 else "a", encoding="utf-8") as f:
+        if first_step is None:  # a trainer that logged without asking should_log first
+            start_at_first_step(step)
+        with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
+    metrics_processor.should_log = start_at_first_step
     metrics_processor.log = log_and_record
