@@ -58,6 +58,7 @@ from titan_uniep.params import apply_overrides, default_params
 from titan_uniep.runtime import Workspace, exchange_bytes, moe_forward
 from titan_uniep.shapes import add_shape_argument
 from titan_uniep.timing import time_alternating, time_ms
+from titan_uniep.tools import require_gpu_under_torchrun
 
 __all__ = ["bench_shape", "build_parser", "check", "main"]
 
@@ -379,13 +380,7 @@ def main(argv=None) -> None:
         return backward_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    # One line each, before any CUDA or NCCL call fails deep in torch.
-    if not torch.cuda.is_available():
-        parser.exit(2, f"{PROG}: error: it times CUDA kernels: it needs a CUDA GPU (on a CPU, "
-                       "python3 -m pytest tests/test_op.py checks the same op in Triton's interpreter)\n")
-    if "RANK" not in os.environ:
-        parser.exit(2, f"{PROG}: error: launch it with torchrun, one process per GPU of the EP group: "
-                       "torchrun --nproc_per_node 1 -m titan_uniep.tools.bench --shape ...\n")
+    require_gpu_under_torchrun(parser, PROG, "titan_uniep.tools.bench")
     if args.tuned_cache is None:
         from titan_uniep.tuning.cache import default_cache_path
 

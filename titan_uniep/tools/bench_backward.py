@@ -56,6 +56,7 @@ from titan_uniep.oracle import float64_moe_backward_oracle
 from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_forward
 from titan_uniep.shapes import add_shape_argument, layer_inputs
 from titan_uniep.timing import time_alternating
+from titan_uniep.tools import require_gpu_under_torchrun
 
 PROG = "python3 -m titan_uniep.tools.bench_backward"
 GRAD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
@@ -350,13 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # One line each, before any CUDA or NCCL call fails deep in torch.
-    if not torch.cuda.is_available():
-        parser.exit(2, f"{PROG}: error: it times CUDA kernels: it needs a CUDA GPU (on a CPU, "
-                       "python3 -m pytest tests/test_op.py checks the same op in Triton's interpreter)\n")
-    if "RANK" not in os.environ:
-        parser.exit(2, f"{PROG}: error: launch it with torchrun, one process per GPU of the EP group: "
-                       "torchrun --nproc_per_node 1 -m titan_uniep.tools.bench_backward --shape ...\n")
+    require_gpu_under_torchrun(parser, PROG, "titan_uniep.tools.bench_backward")
     if args.tuned_cache is None:
         from titan_uniep.tuning.cache import default_cache_path
 
