@@ -226,12 +226,13 @@ class RealRankWorld:
 
     # ---- the ranks ------------------------------------------------------------------
 
-    def _workspaces(self, seed: int, params: LayerParams | None = None):
+    def _workspaces(self, seed: int, params: LayerParams | None = None, backward: bool = True):
+        """Every rank's forward workspace and (``backward``) backward workspace."""
         case, p = self.case, params or self.rank_params
         sizes = dict(num_tokens=self.capacity, dim=case.dim, hidden=case.hidden, num_experts=case.num_experts,
                      top_k=case.top_k, dtype=self.dtype, device=self.device, params=p, seed=seed)
         fwd = Workspace.ranks_in_process(self.world, **sizes)
-        bwd = BackwardWorkspace.ranks_in_process(self.world, **{**sizes, "seed": seed + 1})
+        bwd = BackwardWorkspace.ranks_in_process(self.world, **{**sizes, "seed": seed + 1}) if backward else None
         return fwd, bwd
 
     def arena_order(self) -> list[int]:
@@ -344,7 +345,7 @@ class RealRankWorld:
             params = [p.replace(debug_silent_rank=faulty) for p in params]
         else:
             raise ValueError(f"failure must be one of {FAILURES}, got {failure!r}")
-        fwd, _ = self._workspaces(self.seed + 10, params[0])
+        fwd, _ = self._workspaces(self.seed + 10, params[0], backward=False)  # (the failures are forward calls)
         with compile_launches():
             for rank in launching:
                 with torch.cuda.stream(self.streams[rank]):
