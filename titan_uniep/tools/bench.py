@@ -21,7 +21,12 @@ default qwen3), on the same inputs and routing:
   this rank receives (groups padded to 8 rows, as TorchTitan does);
 - ``transfer_only``: a bare peer copy (symmetric memory, ``copy_``) of the
   bytes UniEP sends to other ranks: de-duplicated token rows + expert outputs;
-- ``bound = max(gemm_only, transfer_only)``, and ratios.
+- ``liger_fused_moe``: Liger-Kernel's fused MoE, a Triton peer (EP = 1 and
+  scores after the experts only; ``titan_uniep.tools.peers``; the record
+  says why it did not run otherwise);
+- ``bound = max(gemm_only, transfer_only)``, and ratios; the TF/s of every
+  path (the expert GEMMs' FLOPs of the slowest rank) and their share of the
+  bf16 peak measured in the same run (an ``8192^3`` matmul).
 
 Times: CUDA events around each call, warm-up first, median over ``--reps``,
 slowest rank, in ``--rounds`` rounds of alternating path order
@@ -59,6 +64,7 @@ from titan_uniep.runtime import Workspace, exchange_bytes, moe_forward
 from titan_uniep.shapes import add_shape_argument
 from titan_uniep.timing import time_alternating, time_ms
 from titan_uniep.tools import require_gpu_under_torchrun
+from titan_uniep.tools.peers import LIGER, liger_forward, liger_unavailable, measured_peak_tflops
 
 __all__ = ["bench_shape", "build_parser", "check", "main"]
 
@@ -220,6 +226,11 @@ def bench_shape(name, shape, args, group, mesh, dev):
     }
     if tuned is not None:
         paths["uniep_tuned_ms"] = lambda: uniep("fused", tuned, tuned_ws)
+    liger_reason = liger_unavailable(world, sb)
+    if liger_reason is None:
+        paths[f"{LIGER}_ms"] = lambda: liger_forward(x, scores, indices, w1, w2, w3)
+    else:
+        record[f"{LIGER}_not_run"] = liger_reason
     for change, point in zip(json.loads(args.sweep_params), sweep):
         key = "sweep_fused_ms[" + ",".join(f"{k}={v}" for k, v in change.items()) + "]"
         paths[key] = lambda point=point: uniep("fused", point)
@@ -239,6 +250,10 @@ def bench_shape(name, shape, args, group, mesh, dev):
         if args.check:
             record["check"] = check(x, scores, indices, w1, w2, w3, w1l, w2l, w3l, ws, params, titan(), args, group,
                                     tuned, tuned_ws)
+            if liger_reason is None:
+                fused = run_fused(x, scores, indices, w1l, w2l, w3l, ws, params, sb)
+                record["check"][f"{LIGER}_out_vs_peer"] = rel_diff(
+                    fused, liger_forward(x, scores, indices, w1, w2, w3)())
             record["check_failures"] = failures(record["check"], LIMITS["forward"][args.dtype])
         if args.profile and name == next(iter(args.shape_names)):
             profile_kernels(uniep, rank)
@@ -251,20 +266,34 @@ def bench_shape(name, shape, args, group, mesh, dev):
     total_flops = torch.tensor([flops], device=dev, dtype=torch.float64)
     dist.all_reduce(total_flops, op=dist.ReduceOp.MAX, group=group)
     measured = {k: v for k, v in record.items() if k.endswith("_ms") and isinstance(v, float)}
+    record["peak_tflops"] = args.peak_tflops
+    for key, ms in measured.items():
+        if key != "transfer_only_ms" and ms:
+            tflops = total_flops.item() / ms / 1e9
+            record[key.removesuffix("_ms") + "_tflops"] = tflops
+            record[key.removesuffix("_ms") + "_share_of_peak"] = tflops / args.peak_tflops
     if "gemm_only_ms" in measured:
-        record["gemm_tflops_slowest_rank"] = total_flops.item() / measured["gemm_only_ms"] / 1e9
+        record["gemm_tflops_slowest_rank"] = record["gemm_only_tflops"]
     if {"gemm_only_ms", "transfer_only_ms"} <= set(measured):
         record["bound_ms"] = max(measured["gemm_only_ms"], measured["transfer_only_ms"])
     for key in ("uniep_fused_ms", "uniep_sequential_ms", "uniep_tuned_ms"):
         if key in measured and "titan_ep_ms" in measured:
             record[f"speedup_{key.removesuffix('_ms').removeprefix('uniep_')}_vs_titan"] = (
                 measured["titan_ep_ms"] / measured[key])
+    if "uniep_fused_ms" in measured and measured.get(f"{LIGER}_ms"):
+        record[f"speedup_fused_vs_{LIGER}"] = measured[f"{LIGER}_ms"] / measured["uniep_fused_ms"]
     if "uniep_fused_ms" in measured:
         for key in ("gemm_only_ms", "bound_ms"):
             if record.get(key):
                 record[f"fused_over_{key.removesuffix('_ms')}"] = measured["uniep_fused_ms"] / record[key]
     del keep_alive  # the transfer path's symmetric buffer
     return record
+
+
+def run_fused(x, scores, indices, w1l, w2l, w3l, ws, params, score_before) -> torch.Tensor:
+    """One fused forward at ``params``, errors checked (the peers' reference)."""
+    return moe_forward(x, scores, indices, w1l, w2l, w3l, workspace=ws, schedule="fused",
+                       score_before_experts=score_before, params=params, error_check="sync")
 
 
 def graph_replay(fn):
@@ -396,6 +425,9 @@ def main(argv=None) -> None:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
     shapes = dict(args.shapes)
     args.shape_names = list(shapes)
+    args.peak_tflops = measured_peak_tflops(dev)
+    if dist.get_rank() == 0:
+        print(f"bf16 peak measured here: {args.peak_tflops:.0f} TF/s (8192^3 matmul)", flush=True)
     records = []
     for name, shape in shapes.items():
         record = bench_shape(name, shape, args, group, mesh, dev)
@@ -410,7 +442,8 @@ def main(argv=None) -> None:
     rank = dist.get_rank()
     if rank == 0:
         cols = ("titan_ep_ms", "uniep_sequential_ms", "uniep_fused_ms", "uniep_tuned_ms", "gemm_only_ms",
-                "transfer_only_ms", "bound_ms", "speedup_fused_vs_titan", "fused_over_gemm_only", "fused_over_bound")
+                f"{LIGER}_ms", "transfer_only_ms", "bound_ms", "speedup_fused_vs_titan", f"speedup_fused_vs_{LIGER}",
+                "fused_over_gemm_only", "fused_over_bound", "uniep_fused_tflops", "uniep_fused_share_of_peak")
         if args.graph:
             cols += ("uniep_sequential_graph_ms", "uniep_fused_graph_ms")
         print("| shape | " + " | ".join(cols) + " |")

@@ -17,7 +17,13 @@ inputs and routing (random router-like scores, balanced):
   points of the tuning cache (``--tuned-cache``, default the cache's default
   path; forward and backward entries), when it has an entry for the shape;
 - ``gemm_only``: ``torch._grouped_mm`` fc1/SwiGLU/fc2 on the rows this rank
-  receives (groups padded to 8 rows) under autograd, forward + backward.
+  receives (groups padded to 8 rows) under autograd, forward + backward;
+- ``liger_fused_moe``: Liger-Kernel's fused MoE forward and backward
+  (``titan_uniep.tools.peers``; EP = 1 and scores after the experts only).
+
+Each path's TF/s counts the expert GEMMs of the slowest rank (forward
+``6 D H`` FLOPs per received row, backward ``12 D H``) and its share of the
+bf16 peak measured in the same run (an ``8192^3`` matmul).
 
 Times: CUDA events, warm-up first, median over ``--reps``, slowest rank
 (ms), in ``--rounds`` rounds of alternating path order
@@ -57,6 +63,7 @@ from titan_uniep.runtime import BackwardWorkspace, Workspace, moe_backward, moe_
 from titan_uniep.shapes import add_shape_argument, layer_inputs
 from titan_uniep.timing import time_alternating
 from titan_uniep.tools import require_gpu_under_torchrun
+from titan_uniep.tools.peers import LIGER, liger_fwd_bwd, liger_unavailable, measured_peak_tflops
 
 PROG = "python3 -m titan_uniep.tools.bench_backward"
 GRAD_NAMES = ("dx", "dscores", "dw1", "dw2", "dw3")
@@ -186,10 +193,11 @@ def bench_shape(name, shape, args, group, mesh, dev):
             bwd_call(schedule, *bwd)
         return step
 
+    counts_all = torch.empty(world, num_experts, dtype=torch.int64, device=dev)
+    dist.all_gather_into_tensor(counts_all, count_per_expert(indices, num_experts), group=group)
+    layout = compute_layout(indices, counts_all, rank)
+
     def gemm_only():
-        counts_all = torch.empty(world, num_experts, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(counts_all, count_per_expert(indices, num_experts), group=group)
-        layout = compute_layout(indices, counts_all, rank)
         return gemm_only_fwd_bwd(layout.tokens_per_local_expert, w1l, w2l, w3l, dim, dtype, gen, dev)
 
     paths = {
@@ -205,6 +213,11 @@ def bench_shape(name, shape, args, group, mesh, dev):
         paths["uniep_tuned"] = lambda: fwd_bwd("fused", fwd=fwd_point, bwd=bwd_point)
     if tuned_bwd is not None:
         paths["uniep_tuned_bwd"] = lambda: lambda: bwd_call("fused", *bwd_point)
+    liger_reason = liger_unavailable(world, score_before)
+    if liger_reason is None:
+        paths[LIGER] = lambda: liger_fwd_bwd(x, scores, indices, grad, w1, w2, w3)[0]
+    else:
+        result[f"{LIGER}_not_run"] = liger_reason
     for override in json.loads(args.sweep_params):
         point = bwd_ws.inner.params.replace(**override)
         key = "uniep_fused_bwd[" + ",".join(f"{k}={v}" for k, v in override.items()) + "]"
@@ -222,6 +235,8 @@ def bench_shape(name, shape, args, group, mesh, dev):
     if args.check:
         stats = check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev,
                       tuned=None if tuned_bwd is None else (tuned_bwd, tuned_bwd_ws))
+        if liger_reason is None:
+            stats.update(check_liger(inputs, fwd_ws, bwd_ws, h13, score_before, group, dev))
         result["check"] = stats
         result["check_failures"] = failures(stats, LIMITS["backward"]["bf16"])
     if args.report:
@@ -236,7 +251,35 @@ def bench_shape(name, shape, args, group, mesh, dev):
     for key in ("uniep_sequential", "uniep_fused", "uniep_tuned", "gemm_only"):
         if result.get(key) and result.get("titan_ep"):
             result[f"speedup_{key}_vs_titan"] = round(result["titan_ep"] / result[key], 3)
+    if result.get("uniep_fused") and result.get(LIGER):
+        result[f"speedup_uniep_fused_vs_{LIGER}"] = round(result[LIGER] / result["uniep_fused"], 3)
+    rows = torch.tensor([float(layout.expert_offsets[-1])], dtype=torch.float64, device=dev)
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
+    result["peak_tflops"] = round(args.peak_tflops, 1)
+    for key, ms in times.items():
+        if ms:
+            flops = (12 if key.endswith("_bwd") or "_bwd[" in key else 18) * dim * hidden * rows.item()
+            result[f"{key}_tflops"] = round(flops / ms / 1e9, 1)
+            result[f"{key}_share_of_peak"] = round(flops / ms / 1e9 / args.peak_tflops, 3)
     return result
+
+
+def check_liger(inputs, fwd_ws, bwd_ws, h13, score_before, group, dev) -> dict[str, float]:
+    """UniEP's fused output and gradients against Liger's on the same inputs
+    (``<name>_vs_peer``; EP = 1: every expert is local)."""
+    x, grad, scores, indices = (inputs[n] for n in ("x", "grad", "scores", "indices"))
+    local = (inputs["w1l"], inputs["w2l"], inputs["w3l"])
+    out = moe_forward(x, scores, indices, *local, workspace=fwd_ws, schedule="fused", score_before_experts=score_before,
+                      saved_h13=h13, error_check="sync")
+    ours = dict(zip(GRAD_NAMES, moe_backward(grad, x, scores, indices, *local, workspace=bwd_ws, schedule="fused",
+                                             score_before_experts=score_before, saved_h13=h13)))
+    ours["out"] = out
+    step, gradients = liger_fwd_bwd(x, scores, indices, grad, inputs["w1"], inputs["w2"], inputs["w3"])
+    step()
+    theirs = gradients()
+    stats = {f"{LIGER}_{name}_vs_peer": rel_diff(ours[name].to(theirs[name].dtype), theirs[name])
+             for name in ("out", *GRAD_NAMES)}
+    return max_over_group(stats, group, dev)
 
 
 def check(inputs, fwd_ws, bwd_ws, h13, args, group, mesh, dev, tuned=None) -> dict[str, float]:
@@ -364,6 +407,9 @@ def main(argv=None) -> None:
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("ep",))
     group = dist.group.WORLD
+    args.peak_tflops = measured_peak_tflops(dev)
+    if dist.get_rank() == 0:
+        print(f"bf16 peak measured here: {args.peak_tflops:.0f} TF/s (8192^3 matmul)", flush=True)
     results = []
     for name, shape in args.shapes:
         res = bench_shape(name, shape, args, group, mesh, dev)
@@ -377,13 +423,13 @@ def main(argv=None) -> None:
     rank = dist.get_rank()
     if rank == 0:
         keys = ("titan_ep", "uniep_sequential", "uniep_fused", "uniep_tuned", "uniep_sequential_bwd",
-                "uniep_fused_bwd", "uniep_tuned_bwd", "gemm_only")
-        print("| shape | " + " | ".join(keys) + " | fused vs TT |")
-        print("|---" * (len(keys) + 2) + "|")
+                "uniep_fused_bwd", "uniep_tuned_bwd", "gemm_only", LIGER, "speedup_uniep_fused_vs_titan",
+                f"speedup_uniep_fused_vs_{LIGER}", "uniep_fused_tflops", "uniep_fused_share_of_peak")
+        print("| shape | " + " | ".join(keys) + " |")
+        print("|---" * (len(keys) + 1) + "|")
         for res in results:
-            cells = [f"{res.get(k):.2f}" if res.get(k) else "-" for k in keys]
-            ratio = res.get("speedup_uniep_fused_vs_titan")
-            print(f"| {res['shape']} | " + " | ".join(cells) + f" | {ratio if ratio else '-'} |")
+            cells = [f"{res.get(k):.3f}" if res.get(k) else "-" for k in keys]
+            print(f"| {res['shape']} | " + " | ".join(cells) + " |")
         if args.report:
             from titan_uniep.tools.report import write_report
 

@@ -14,8 +14,9 @@ on one GPU: ``Workspace.ranks_in_process`` gives each rank its own arena (a
 separate allocation, in shuffled order, so peer offsets are negative too),
 and each rank's calls go to a CUDA stream of its own through
 ``runtime.moe_forward`` / ``moe_backward``, as the rank's process would
-issue them, with grids of the SMs over W (``LayerParams.num_programs``) so
-every rank's programs are resident together.
+issue them, with grids small enough (``resident_grid``: the SMs over W
+and over the most programs per SM) that every rank's spinning programs
+are resident together in any mix of phases.
 
 Each call: the ranks in a random order, each after a random delay on its
 stream (``torch.cuda._sleep``); poisoned buffers (both workspaces, the
@@ -164,12 +165,31 @@ class CallReport:
         return self.mismatched_calls == 0 and self.simulated_fused_equals_sequential and not self.errors
 
 
+def resident_grid(params: LayerParams, world: int, device: torch.device) -> int:
+    """The per-rank grid that keeps every rank's spinning programs resident
+    together, whatever phase each rank is in: the SMs over ``W`` times the
+    most programs per SM any megakernel launches (``*_programs_per_sm``).
+
+    On its own GPU a rank runs one megakernel at a time, ``SMs x pps``
+    programs that fit together. Here the ranks drift apart (up to a call),
+    so one rank's dispatch_dh (2 programs per SM) meets another's
+    fc2_combine (1): with grids of ``SMs / W`` the spinning programs could
+    need up to twice the SMs, and a rank whose programs found no room
+    stalled its peers until the wait bound (one H100, W = 8: the backward
+    counts exchange at the first call; W = 4: a reduce at call 751). At most
+    one SM per spinning program and no more of them than SMs, every program
+    finds an SM once the non-spinning kernels on it finish."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    most = max(params.fc2_programs_per_sm, params.dh_programs_per_sm, params.da_programs_per_sm)
+    return max(1, sms // (world * most))
+
+
 class RealRankWorld:
     """``world`` ranks of one ``case`` in this process (see the module docstring)."""
 
     def __init__(self, case_name: str, world: int, *, sets: int = 3, seed: int = 0, timeout_s: float = 5.0,
                  device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 hooks: dict | None = None):
+                 hooks: dict | None = None, programs: int | None = None):
         self.case_name, self.case, self.world = case_name, CASES[case_name], world
         self.device = torch.device(device)
         case = self.case
@@ -186,10 +206,10 @@ class RealRankWorld:
         self.sets = [_inputs(case, world, tokens, gen, self.device, dtype) for tokens in case.tokens(world, sets)]
         self.capacity = max(1, max(max(len(x) for x in s["xs"]) for s in self.sets))
         self.params = default_params(world, hidden=h).replace(timeout_s=timeout_s)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        # As on its own GPU, divided by W: every rank's programs resident together.
-        # ``hooks``: testing hooks of the ranks' calls (``LayerParams.debug_*``).
-        self.rank_params = self.params.replace(num_programs=max(1, sms // world), **(hooks or {}))
+        # ``hooks``: testing hooks of the ranks' calls (``LayerParams.debug_*``); ``programs``: the
+        # per-rank grid (default ``resident_grid``).
+        self.programs = programs or resident_grid(self.params, world, self.device)
+        self.rank_params = self.params.replace(num_programs=self.programs, **(hooks or {}))
         self.seed = seed
         # The sequential schedule of the simulated world is the reference; its fused schedule must equal it.
         self.references, self.fused_equals_sequential = [], True
@@ -451,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="inject failures instead of the stress calls (repeatable)")
     parser.add_argument("--bound-s", type=float, default=0.5, help="wait bound of the failure calls")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--programs", type=int, default=None,
+                        help="per-rank grid (default: resident_grid, the SMs over W times the most programs per SM)")
     parser.add_argument("--compile-only", action="store_true",
                         help="build the worlds and compile their kernels into Triton's cache, run no call "
                              "(several at once fill the cache in parallel)")
@@ -471,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             if CASES[case].num_experts % world:
                 print(f"{case} W={world}: skipped ({CASES[case].num_experts} experts)", flush=True)
                 continue
-            rr = RealRankWorld(case, world, sets=args.sets, seed=args.seed, timeout_s=args.timeout_s)
+            rr = RealRankWorld(case, world, sets=args.sets, seed=args.seed, timeout_s=args.timeout_s,
+                               programs=args.programs)
             rr.compile()
             if args.compile_only:
                 print(f"COMPILED {case} W={world}", flush=True)
@@ -491,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report = rr.run(args.calls, max_delay_us=args.max_delay_us, seed=args.seed)
             status |= not report.ok
-            print(f"STRESS {case} W={world}: {report.calls} calls, {report.seconds_per_call * 1e3:.2f} ms per call "
+            print(f"STRESS {case} W={world} (grid {rr.programs} per rank): {report.calls} calls, "
+                  f"{report.seconds_per_call * 1e3:.2f} ms per call "
                   f"(all ranks, fwd + bwd), mismatched calls {report.mismatched_calls}, simulated fused == "
                   f"sequential {report.simulated_fused_equals_sequential}, arenas by address {report.arena_order}"
                   + (f"; first mismatch {report.first_mismatch}" if report.first_mismatch else "")
