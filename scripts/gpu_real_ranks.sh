@@ -37,7 +37,7 @@ run() {  # name, limit in seconds, command...
     echo "== $name: $*"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
-    grep -E "^(STRESS|FAIL-INJECT|COMPILED|baseline)|passed|failed|killed|survived|timed out|ERROR SUMMARY|Error|Traceback" "$OUT/$name.log" | cut -c1-400 | tail -40
+    grep -E "^(STRESS|FAIL-INJECT|COMPILED|baseline)|passed|failed|killed|survived|timed out|ERROR SUMMARY|RACECHECK SUMMARY|Error|Traceback" "$OUT/$name.log" | cut -c1-400 | tail -40
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" = 0 ] || status=1
 }
@@ -63,7 +63,7 @@ for step in $STEPS; do
             run "sanitizer-$tool-failures" "${SANITIZER_S:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
                 $TOOL --world 2 --case tiny --fail silent --fail bad_slot --fail mid_tile --bound-s 5
         done ;;
-    mutants) run mutants "${MUTANTS_S:-600}" python3 scripts/mutate.py --device gpu --no-baseline ;;
+    mutants) run mutants "${MUTANTS_S:-600}" python3 scripts/mutate.py --device gpu --no-baseline --jobs 4 --limit-s 150 ;;
     *) echo "unknown step $step (compile tests stress failures sanitizer mutants)"; exit 2 ;;
     esac
 done

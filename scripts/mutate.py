@@ -30,8 +30,9 @@ each run). First, once, every selected target runs on an unmutated copy
 - ``error``: ``old`` does not occur exactly once in its file (the list went
   stale), or pytest could not run the targets (exit status 3 to 5).
 
-Exit status 0 if every selected mutant was killed, 1 if not, 2 if the
-baseline failed. The list is data (``MUTANTS``): add a mutant with the tests
+``--jobs N`` judges N mutants at once, each in its own copy; ``--limit-s S``
+caps every mutant's limit. Exit status 0 if every selected mutant was
+killed, 1 if not, 2 if the baseline failed. The list is data (``MUTANTS``): add a mutant with the tests
 that catch it (files or node ids, no options: the baseline runs them all in
 one pytest); GPU mutants (``device="gpu"``, tests/gpu targets) run with
 ``--device gpu`` on a GPU machine.
@@ -42,6 +43,8 @@ its file once; it never runs the mutants (minutes).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import os
 import shutil
 import signal
@@ -311,7 +314,7 @@ def pytest_in_copy(targets: list[str], limit_s: float, device: str,
 
 
 def judge(mutant: Mutant) -> tuple[str, float, str]:
-    """(verdict, seconds, detail) of one mutant."""
+    """(verdict, seconds, detail) of one mutant (``mutant.limit_s``: its time limit)."""
     try:
         status, seconds, lines = pytest_in_copy(list(mutant.targets), mutant.limit_s, mutant.device, mutant)
     except ValueError as err:
@@ -333,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the first run of every selected target on the unmutated copy")
+    parser.add_argument("--limit-s", type=float, default=None,
+                        help="at most this many seconds per mutant (below its own limit; a mutant that hangs "
+                             "is killed at its limit)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants judged at once, each in its own copy")
     args = parser.parse_args(argv)
     names = [m.name for m in MUTANTS]
     if len(set(names)) != len(names):
@@ -344,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         selected = [m for m in MUTANTS if m.name in args.only]
     else:
         selected = [m for m in MUTANTS if m.device == args.device]
+    if args.limit_s is not None:
+        selected = [dataclasses.replace(m, limit_s=min(m.limit_s, args.limit_s)) for m in selected]
     if args.list:
         for m in selected if args.only else MUTANTS:
             print(f"{m.name} [{m.device}, {m.limit_s:.0f} s] {m.path}: {m.why}\n    {' '.join(m.targets)}")
@@ -362,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baseline ({device}): {lines[-1] if lines else ''} ({seconds:.1f} s)", flush=True)
     width = max(len(m.name) for m in selected)
     results = []
-    for mutant in selected:
-        verdict, seconds, detail = judge(mutant)
-        results.append(verdict)
-        print(f"{mutant.name:<{width}}  {verdict:<9}  {seconds:6.1f} s  {detail}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for mutant, (verdict, seconds, detail) in zip(selected, pool.map(judge, selected)):
+            results.append(verdict)
+            print(f"{mutant.name:<{width}}  {verdict:<9}  {seconds:6.1f} s  {detail}", flush=True)
     killed = results.count("killed")
     print(f"{killed} of {len(results)} mutants killed")
     return 0 if killed == len(results) else 1
