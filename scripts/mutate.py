@@ -22,7 +22,8 @@ each run). First, once, every selected target runs on an unmutated copy
 "kill" every mutant. Verdicts, with the seconds pytest ran:
 
 - ``killed``: the targets failed (pytest exit status 1, or 2: a collection
-  error or an interrupted run);
+  error or an interrupted run), or pytest died of a signal (a CUDA error
+  such as an illegal instruction ends the process in ``abort()``);
 - ``survived``: they passed, so the tests let this bug through;
 - ``timed out``: still running at the mutant's ``limit_s``; a kill only for
   mutants marked ``timeout_kills`` (prefer targets that fail on their own:
@@ -321,9 +322,11 @@ def judge(mutant: Mutant) -> tuple[str, float, str]:
         return "error", 0.0, str(err)
     if status is None:
         return "killed" if mutant.timeout_kills else "timed out", seconds, f"still running after {mutant.limit_s:.0f} s"
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     if status in (1, 2):
-        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
         return "killed", seconds, (failed or lines[-1:] or [""])[0]
+    if status < 0:  # the test process crashed (a CUDA error ends in abort())
+        return "killed", seconds, f"pytest died of {signal.Signals(-status).name}" + (f" after {failed[0]}" if failed else "")
     if status == 0:
         return "survived", seconds, lines[-1] if lines else ""
     return "error", seconds, f"pytest exit status {status}: " + " | ".join(lines[-5:])

@@ -2,10 +2,15 @@
 runs (``gpu_share``), so the README's test command passes on one GPU with
 however many pytest-xdist workers ``-n auto`` starts."""
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before CUDA starts in any test process: a hardware work queue per stream of the real-rank
+# tests' W ranks (titan_uniep.tools.real_ranks, CONNECTIONS).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from gpu_share import gpu_slot, slots
 

@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "mutate.py"
 
 
-def load_mutants():
+def load_script():
     spec = importlib.util.spec_from_file_location("mutate_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
@@ -22,7 +24,11 @@ def load_mutants():
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
-    return module.MUTANTS
+    return module
+
+
+def load_mutants():
+    return load_script().MUTANTS
 
 
 def test_every_mutant_text_occurs_once_in_its_file_and_changes_it():
@@ -55,3 +61,20 @@ def test_list_names_every_mutant():
     out = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, check=True).stdout
     listed = [line.split()[0] for line in out.splitlines() if not line.startswith(" ")]
     assert listed == [m.name for m in load_mutants()], out
+
+
+@pytest.mark.parametrize("status,lines,verdict", [
+    (1, ["FAILED tests/x.py::t - assert"], "killed"),
+    (-6, ["FAILED tests/x.py::t - CUDA error: an illegal instruction", "terminate called"], "killed"),
+    (0, ["1 passed"], "survived"),
+    (4, ["ERROR: file or directory not found"], "error"),
+    (None, [], "killed"),  # a hang, for a mutant whose timeout kills
+])
+def test_verdicts_follow_pytests_exit(monkeypatch, status, lines, verdict):
+    script = load_script()
+    mutant = next(m for m in script.MUTANTS if m.timeout_kills)
+    monkeypatch.setattr(script, "pytest_in_copy", lambda *args: (status, 1.0, lines))
+    got, _, detail = script.judge(mutant)
+    assert got == verdict
+    if status == -6:
+        assert detail.startswith("pytest died of SIGABRT after FAILED")

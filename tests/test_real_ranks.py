@@ -125,3 +125,27 @@ def test_ranks_in_process_workspaces_cannot_grow_one_rank_alone():
     assert not spaces[0].ensure_capacity(4)
     with pytest.raises(ValueError, match="build them again with num_tokens=9"):
         spaces[0].ensure_capacity(9)
+
+
+def test_real_rank_mode_asks_cuda_for_a_work_queue_per_rank_before_cuda_starts():
+    """W rank streams and the default stream on fewer CUDA work queues share one: a
+    rank's launch then waits behind another rank's spinning kernel (one H100, W = 8
+    with CUDA's default 8 queues). Importing the tool asks for 32; a world that
+    does not fit the queues the process has is refused, naming the variable."""
+    import subprocess
+    import sys
+
+    from titan_uniep.tools import real_ranks
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    asked = subprocess.run([sys.executable, "-c", "import os, titan_uniep.tools.real_ranks as r; "
+                            "print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'], r.CONNECTIONS)"],
+                           env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert asked == ["32", "32"]
+    old = real_ranks.CONNECTIONS
+    try:
+        real_ranks.CONNECTIONS = 8
+        with pytest.raises(RuntimeError, match="need 9 CUDA work queues.*CUDA_DEVICE_MAX_CONNECTIONS=32"):
+            real_ranks.RealRankWorld("after", 8, device="cpu")
+    finally:
+        real_ranks.CONNECTIONS = old

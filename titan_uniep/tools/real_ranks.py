@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import re
 import sys
@@ -58,6 +59,17 @@ from titan_uniep.runtime import (BackwardWorkspace, Workspace, moe_backward, moe
                                  simulated_moe_forward)
 
 OUTPUTS = ("out", "dx", "dscores", "dw1", "dw2", "dw3")
+
+# CUDA gives a context CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (default 8, at most
+# 32, read when the context starts) and maps streams onto them in turn: two streams on one
+# queue run in order, so a rank's launch queued behind another rank's spinning megakernel
+# waits for it, and that kernel waits for this launch. W rank streams and the default stream
+# need W + 1 queues (one H100: W = 8 with 8 queues stalled at the first backward exchange;
+# with 32, 3,000 calls ran). Asked for here, before CUDA starts where it has not yet.
+MAX_CONNECTIONS = 32
+if not torch.cuda.is_initialized():
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(MAX_CONNECTIONS))
+CONNECTIONS = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
 FAILURES = ("silent", "bad_slot", "exchange_abort", "mid_tile")
 
 
@@ -174,11 +186,10 @@ def resident_grid(params: LayerParams, world: int, device: torch.device) -> int:
     programs that fit together. Here the ranks drift apart (up to a call),
     so one rank's dispatch_dh (2 programs per SM) meets another's
     fc2_combine (1): with grids of ``SMs / W`` the spinning programs could
-    need up to twice the SMs, and a rank whose programs found no room
-    stalled its peers until the wait bound (one H100, W = 8: the backward
-    counts exchange at the first call; W = 4: a reduce at call 751). At most
-    one SM per spinning program and no more of them than SMs, every program
-    finds an SM once the non-spinning kernels on it finish."""
+    need up to twice the SMs (one H100, W = 4, grids of 33: a reduce waited
+    out its bound at call 751 of 1,000; with grids of 16, 3,000 calls ran).
+    At most one SM per spinning program and no more of them than SMs, every
+    program finds an SM once the non-spinning kernels on it finish."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     most = max(params.fc2_programs_per_sm, params.dh_programs_per_sm, params.da_programs_per_sm)
     return max(1, sms // (world * most))
@@ -195,6 +206,12 @@ class RealRankWorld:
         case = self.case
         if case.num_experts % world:
             raise ValueError(f"case {case_name!r} has {case.num_experts} experts, not divisible by {world} ranks")
+        if world + 1 > CONNECTIONS:
+            raise RuntimeError(
+                f"{world} ranks' streams and the default stream need {world + 1} CUDA work queues, and this process "
+                f"has {CONNECTIONS} (CUDA_DEVICE_MAX_CONNECTIONS, read when CUDA starts): set "
+                f"CUDA_DEVICE_MAX_CONNECTIONS={MAX_CONNECTIONS} before CUDA starts (import "
+                f"titan_uniep.tools.real_ranks first), or two ranks share a queue and wait on each other")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.dtype = dtype
         el = case.num_experts // world
