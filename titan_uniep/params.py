@@ -12,8 +12,11 @@ GEMMs' K-loops are against the bytes each row moves); ``default_params``
 returns the entry for a shape. Why each default is what it is, with the
 measurements: ``docs/design.md``, "Decisions".
 
-Which fields can change bits: ``titan_uniep.tuning.space.FIELDS`` is the one
-table (schedule, numerics, mixed, fixed; with the evidence). In short, every
+Each field is declared once, by ``knob``: its default, its kind for the
+tuner (schedule, numerics, mixed, fixed), the values a search may take, the
+stage whose kernel reads it and the checks of its value;
+``titan_uniep.tuning.space.FIELDS`` reads them (with the evidence for each
+kind) and ``__post_init__`` runs the checks. In short, every
 field is a *schedule* choice (when a task runs, which program runs it, how a
 tile is loaded) except the GEMMs' K steps (``*_block_k``), which set the fp32
 summation order of the partial products, the dH tile width ``dh_block_n``
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Callable, Literal
 
 __all__ = [
     "apply_overrides",
@@ -42,181 +45,199 @@ __all__ = [
 WGRAD_BACKENDS = ("auto", "grouped_mm", "triton")
 SHAPE_CLASSES = ("short", "medium", "long")
 
-_POWERS_OF_TWO = (
-    "block_m", "group_m", "dispatch_block_tokens", "dispatch_block_dim", "fc1_block_n", "fc1_block_k",
-    "fc2_block_n", "fc2_block_k", "reduce_block_tokens", "reduce_block_dim", "dh_block_n", "dh_block_k",
-    "da_block_n", "da_block_k", "wgrad_w13_block_m", "wgrad_w13_block_n", "wgrad_w13_block_k",
-    "wgrad_w2_block_m", "wgrad_w2_block_n", "wgrad_w2_block_k",
-)
-_DOT_OPERANDS = tuple(n for n in _POWERS_OF_TWO if n.endswith(("block_n", "block_k")) or n.startswith("wgrad"))
-_AT_LEAST_ONE = (
-    "dispatch_programs", "fc1_num_warps", "fc2_num_warps", "dh_num_warps",
-    "da_num_warps", "wgrad_w13_num_warps", "wgrad_w2_num_warps", "fc2_programs_per_sm", "dh_programs_per_sm",
-    "da_programs_per_sm", "dh_num_stages", "da_num_stages", "wgrad_w13_num_stages", "wgrad_w2_num_stages",
-    "interpreter_max_spins",
-)
+Kind = Literal["schedule", "numerics", "mixed", "fixed"]
+
+# The values a search may give a field (the valid range, small tiles included for interpreter shapes).
+TILES = (16, 32, 64, 128, 256)
+K_STEPS = (16, 32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3, 4)
+BOOL = (False, True)
+REGS = (None, 128, 168, 232)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A condition a field's value must meet (None always passes), and how it reads in an error."""
+
+    holds: Callable[[Any], bool]
+    says: str
+
+
+POWER_OF_TWO = Check(lambda v: v >= 1 and not v & (v - 1), "a power of two")
+DOT_OPERAND = Check(lambda v: v >= 16, ">= 16 (tl.dot)")
+AT_LEAST_ONE = Check(lambda v: v >= 1, ">= 1")
+NON_NEGATIVE = Check(lambda v: v >= 0, ">= 0")
+POSITIVE = Check(lambda v: v > 0, "> 0")
+FRACTION = Check(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+KEPT_FRACTION = Check(lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+BACKEND = Check(lambda v: v in WGRAD_BACKENDS, f"one of {WGRAD_BACKENDS}")
+
+
+def knob(default: Any, kind: Kind, values: tuple, stage: str, *, order_key: Callable[[Any], Any] | None = None,
+         checks: tuple[Check, ...] = ()) -> Any:
+    """A ``LayerParams`` field and all that is known of it, in one place: its
+    ``default``; its ``kind`` for the tuner (``tuning.space``: ``"schedule"``
+    keeps every bit, ``"numerics"`` may change them, ``"mixed"`` keeps them
+    while ``order_key(value)`` stays, ``"fixed"`` is never searched); the
+    ``values`` a search may take; the ``stage`` whose kernel reads it; the
+    ``checks`` its value must pass (``LayerParams.__post_init__``)."""
+    return dataclasses.field(default=default, metadata=dict(kind=kind, values=values, stage=stage,
+                                                            order_key=order_key, checks=checks))
 
 
 @dataclass(frozen=True)
 class LayerParams:
     # ---- grid and layout (every kernel) ----
-    block_m: int = 128
+    block_m: int = knob(128, "schedule", TILES, "all", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Receive slots per GEMM tile, and the granularity of the per-tile arrival counters (power of two, >= 16; the workspace is sized with it)."""
-    num_programs: int | None = None
+    # sample(): also explicit grids below the SM count
+    num_programs: int | None = knob(None, "schedule", (None,), "all")
     """Persistent programs per launch; None: one per SM (at most the SMs: every spin-wait needs the whole grid resident)."""
-    group_m: int = 8
+    group_m: int = knob(8, "schedule", (1, 2, 4, 8, 16), "all", checks=(POWER_OF_TWO,))
     """Row tiles walked together before the next column block, for L2 reuse (power of two)."""
 
     # ---- dispatch (dispatch_fc1 and dispatch_dh) ----
-    dispatch_programs: int = 16
+    dispatch_programs: int = knob(16, "schedule", (1, 2, 4, 8, 16, 32, 64, 1024), "dispatch", checks=(AT_LEAST_ONE,))
     """Programs that run dispatch tasks before taking GEMM tiles (>= 1; >= the grid: every program dispatches first)."""
-    dispatch_block_tokens: int = 16
+    dispatch_block_tokens: int = knob(16, "schedule", (1, 2, 4, 8, 16, 32, 64), "dispatch", checks=(POWER_OF_TWO,))
     """Tokens per dispatch task (power of two)."""
-    dispatch_block_dim: int = 512
+    dispatch_block_dim: int = knob(512, "schedule", (16, 32, 64, 128, 256, 512, 1024), "dispatch",
+                                   checks=(POWER_OF_TWO,))
     """Columns a dispatch task copies per step (power of two)."""
-    local_first: bool = False
+    local_first: bool = knob(False, "schedule", BOOL, "dispatch")
     """Every program first copies the rows that stay on its rank, and tiles holding only those run first."""
-    local_first_experts: float = 0.25
+    local_first_experts: float = knob(0.25, "schedule", (0.0, 0.25, 0.5, 1.0), "dispatch", checks=(FRACTION,))
     """With ``local_first``: the fraction of local experts, in [0, 1], whose own-rows tiles are moved ahead."""
 
     # ---- fc1 tiles (dispatch_fc1) ----
-    fc1_block_n: int = 128
+    fc1_block_n: int = knob(128, "schedule", TILES, "fc1", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Columns of h per fc1 tile (two accumulators, w1 and w3; power of two, >= 16)."""
-    fc1_block_k: int = 64
+    fc1_block_k: int = knob(64, "numerics", K_STEPS, "fc1", checks=(POWER_OF_TWO, DOT_OPERAND))
     """K step of fc1 (power of two, >= 16; sets the summation order)."""
-    fc1_num_warps: int = 8
+    fc1_num_warps: int = knob(8, "schedule", WARPS, "fc1", checks=(AT_LEAST_ONE,))
     """Warps per dispatch_fc1 program."""
-    fc1_num_stages: int = 3
+    fc1_num_stages: int = knob(3, "schedule", STAGES, "fc1", checks=(NON_NEGATIVE,))
     """Software-pipelining depth of fc1's K-loop (>= 0; with scores before the experts, 1 always: ``kernels.dispatch_fc1.fc1_launch_stages``)."""
-    fc1_one_dot: bool = False
+    fc1_one_dot: bool = knob(False, "schedule", BOOL, "fc1")
     """fc1 computes h1 and h3 in one ``block_m x 2 fc1_block_n`` product per K step over interleaved w1 | w3 columns, not two ``block_m x fc1_block_n`` ones (scores after the experts; with scores before, the two-product tile always: there the two give other bits on an H200)."""
 
     # ---- fc2 tiles (fc2_combine) ----
-    fc2_block_n: int = 256
+    fc2_block_n: int = knob(256, "schedule", TILES, "fc2", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Columns of y per fc2 tile (power of two, >= 16)."""
-    fc2_block_k: int = 64
+    fc2_block_k: int = knob(64, "numerics", K_STEPS, "fc2", checks=(POWER_OF_TWO, DOT_OPERAND))
     """K step of fc2 (power of two, >= 16; sets the summation order)."""
-    fc2_num_warps: int = 8
+    fc2_num_warps: int = knob(8, "schedule", WARPS, "fc2", checks=(AT_LEAST_ONE,))
     """Warps per fc2_combine program."""
-    fc2_num_stages: int = 3
+    fc2_num_stages: int = knob(3, "schedule", STAGES, "fc2", checks=(NON_NEGATIVE,))
     """Software-pipelining depth of fc2's K-loop (>= 0)."""
-    fc2_programs_per_sm: int = 1
+    fc2_programs_per_sm: int = knob(1, "schedule", (1, 2), "fc2", checks=(AT_LEAST_ONE,))
     """fc2_combine programs per SM (GPU), so one program's epilogue overlaps another's K-loop (the tile must fit)."""
-    fc2_max_registers: int | None = None
+    fc2_max_registers: int | None = knob(None, "schedule", REGS, "fc2")
     """Register cap per thread of fc2_combine (Triton ``maxnreg``); None: the compiler's choice."""
-    fc2_tma: bool = False
+    fc2_tma: bool = knob(False, "schedule", BOOL, "fc2")
     """fc2 reads h and w2 through tensor descriptors made on the device (16-bit data on a GPU)."""
-    fc2_defer_release: bool = False
+    fc2_defer_release: bool = knob(False, "schedule", BOOL, "fc2")
     """Release a tile's row arrivals after the program's next tile, not right after its stores."""
-    fc2_flat_loop: bool = False
+    fc2_flat_loop: bool = knob(False, "schedule", BOOL, "fc2")
     """fc2 tiles dealt to the programs in turn (no claims) in one loop that Triton flattens and software-pipelines across tiles (GPU)."""
 
     # ---- reduce (fc2_combine and da_combine) ----
-    reduce_block_tokens: int = 16
+    reduce_block_tokens: int = knob(16, "schedule", (1, 2, 4, 8, 16, 32, 64), "reduce", checks=(POWER_OF_TWO,))
     """Tokens per reduce task (power of two)."""
-    reduce_block_dim: int = 512
+    reduce_block_dim: int = knob(512, "mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce",
+                                 order_key=lambda v: min(v, 256), checks=(POWER_OF_TWO,))
     """Columns a reduce task sums per step (power of two; da_combine takes at most 256 with scores before the experts)."""
 
     # ---- dH tiles (dispatch_dh) ----
-    dh_block_n: int = 128
+    dh_block_n: int = knob(128, "numerics", TILES, "dh", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Columns of H per dH tile (power of two, >= 16)."""
-    dh_block_k: int = 64
+    dh_block_k: int = knob(64, "numerics", K_STEPS, "dh", checks=(POWER_OF_TWO, DOT_OPERAND))
     """K step of the dH tile's loops over D (power of two, >= 16; sets the summation order)."""
-    dh_num_warps: int = 8
+    dh_num_warps: int = knob(8, "schedule", WARPS, "dh", checks=(AT_LEAST_ONE,))
     """Warps per dispatch_dh program."""
-    dh_num_stages: int = 3
+    dh_num_stages: int = knob(3, "schedule", STAGES, "dh", checks=(AT_LEAST_ONE,))
     """Software-pipelining depth of the dH K-loops (>= 1)."""
-    dh_programs_per_sm: int = 2
+    dh_programs_per_sm: int = knob(2, "schedule", (1, 2), "dh", checks=(AT_LEAST_ONE,))
     """dispatch_dh programs per SM (GPU; run under a register cap that fits them)."""
-    dh_copies_rows: bool = True
+    dh_copies_rows: bool = knob(True, "schedule", BOOL, "dh")
     """dH tasks also copy each slot's x and dOut rows for the weight gradients (else a gather launch)."""
 
     # ---- dA tiles (da_combine) ----
-    da_block_n: int = 128
+    # 256: other bits on an H200 (docs/design.md)
+    da_block_n: int = knob(128, "schedule", TILES[:-1], "da", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Columns of D per dA tile (power of two, >= 16)."""
-    da_block_k: int = 64
+    da_block_k: int = knob(64, "numerics", K_STEPS, "da", checks=(POWER_OF_TWO, DOT_OPERAND))
     """K step of the dA loop over H (power of two, >= 16; sets the summation order)."""
-    da_num_warps: int = 8
+    da_num_warps: int = knob(8, "schedule", WARPS, "da", checks=(AT_LEAST_ONE,))
     """Warps per da_combine program."""
-    da_num_stages: int = 3
+    da_num_stages: int = knob(3, "schedule", STAGES, "da", checks=(AT_LEAST_ONE,))
     """Software-pipelining depth of the dA K-loop (>= 1)."""
-    da_programs_per_sm: int = 1
+    da_programs_per_sm: int = knob(1, "schedule", (1, 2), "da", checks=(AT_LEAST_ONE,))
     """da_combine programs per SM (GPU)."""
-    da_max_registers: int | None = None
+    da_max_registers: int | None = knob(None, "schedule", REGS, "da")
     """Register cap per thread of da_combine (``maxnreg``); None: the compiler's choice."""
-    da_tma: bool = True
+    da_tma: bool = knob(True, "schedule", BOOL, "da")
     """dA reads dh1 | dh3 and w1 | w3 through tensor descriptors (16-bit data on a GPU, H a multiple of da_block_k)."""
 
     # ---- weight gradients (wgrad) ----
-    wgrad_backend: Literal["auto", "grouped_mm", "triton"] = "auto"
+    wgrad_backend: Literal["auto", "grouped_mm", "triton"] = knob("auto", "numerics", WGRAD_BACKENDS, "wgrad",
+                                                                  checks=(BACKEND,))
     """Who computes dW from the dense slot rows: torch._grouped_mm, the Triton kernel, or "auto" (the first where it runs)."""
-    wgrad_w13_block_m: int = 128
+    wgrad_w13_block_m: int = knob(128, "schedule", TILES, "wgrad", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Triton dW1 | dW3 tile rows (of H)."""
-    wgrad_w13_block_n: int = 128
+    wgrad_w13_block_n: int = knob(128, "schedule", TILES, "wgrad", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Triton dW1 | dW3 tile columns (of D)."""
-    wgrad_w13_block_k: int = 64
+    wgrad_w13_block_k: int = knob(64, "numerics", K_STEPS, "wgrad", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Triton dW1 | dW3 K step over slots (sets the summation order)."""
-    wgrad_w13_num_warps: int = 8
+    wgrad_w13_num_warps: int = knob(8, "schedule", WARPS, "wgrad", checks=(AT_LEAST_ONE,))
     """Warps of the Triton dW1 | dW3 kernel."""
-    wgrad_w13_num_stages: int = 4
+    wgrad_w13_num_stages: int = knob(4, "schedule", (2, 3, 4, 5), "wgrad", checks=(AT_LEAST_ONE,))
     """Pipelining depth of the Triton dW1 | dW3 kernel."""
-    wgrad_w2_block_m: int = 128
+    wgrad_w2_block_m: int = knob(128, "schedule", TILES, "wgrad", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Triton dW2 tile rows (of D)."""
-    wgrad_w2_block_n: int = 256
+    wgrad_w2_block_n: int = knob(256, "schedule", TILES, "wgrad", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Triton dW2 tile columns (of H)."""
-    wgrad_w2_block_k: int = 64
+    wgrad_w2_block_k: int = knob(64, "numerics", K_STEPS, "wgrad", checks=(POWER_OF_TWO, DOT_OPERAND))
     """Triton dW2 K step over slots (sets the summation order)."""
-    wgrad_w2_num_warps: int = 8
+    wgrad_w2_num_warps: int = knob(8, "schedule", WARPS, "wgrad", checks=(AT_LEAST_ONE,))
     """Warps of the Triton dW2 kernel."""
-    wgrad_w2_num_stages: int = 3
+    wgrad_w2_num_stages: int = knob(3, "schedule", (2, 3, 4, 5), "wgrad", checks=(AT_LEAST_ONE,))
     """Pipelining depth of the Triton dW2 kernel."""
 
     # ---- waits and testing hooks (every kernel) ----
-    timeout_s: float = 30.0
+    timeout_s: float = knob(30.0, "fixed", (30.0,), "all", checks=(POSITIVE,))
     """Bound of every GPU spin-wait, in seconds (> 0); a wait that runs out fails the call with an error naming it."""
-    interpreter_max_spins: int = 10_000
+    interpreter_max_spins: int = knob(10_000, "fixed", (10_000,), "all", checks=(AT_LEAST_ONE,))
     """Bound of every spin-wait under TRITON_INTERPRET=1, in polls (producers run first there, so any spin is a bug)."""
-    debug_silent_rank: int = -1
+    debug_silent_rank: int = knob(-1, "fixed", (-1,), "all")
     """Testing only: this rank runs no dispatch tasks (sends nothing), to prove a missing peer ends in a clear error."""
-    debug_race: bool = False
+    debug_race: bool = knob(False, "fixed", (False,), "all")
     """Testing only: race mode (kernels.scoreboard; Workspace.race_report), for a workspace built with it."""
-    debug_race_keep: float = 0.9
+    debug_race_keep: float = knob(0.9, "fixed", (0.9,), "all", checks=(KEPT_FRACTION,))
     """Testing only, race mode: the fraction of rows, in (0, 1], each producer delivers."""
-    debug_race_seed: int = 0
+    debug_race_seed: int = knob(0, "fixed", (0,), "all", checks=(NON_NEGATIVE,))
     """Testing only, race mode: the seed of which rows are delivered (>= 0)."""
-    debug_wait_slack: int = 0
+    debug_wait_slack: int = knob(0, "fixed", (0,), "all", checks=(NON_NEGATIVE,))
     """Testing only: every tile-rows and token-rows wait target is lowered by this many arrivals (>= 0): a race on a GPU, which race mode must catch."""
-    debug_epoch_store_delay_us: int = 0
+    debug_epoch_store_delay_us: int = knob(0, "fixed", (0,), "all", checks=(NON_NEGATIVE,))
     """Testing only (GPU): the counts exchange's collecting program stores the call's epoch this many microseconds late in its first warp (>= 0), so its other warps run ahead of the store."""
 
     def replace(self, **changes) -> "LayerParams":
         return dataclasses.replace(self, **changes)
 
     def __post_init__(self) -> None:
-        for name in _POWERS_OF_TWO:
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"LayerParams.{name} must be a power of two, got {value}")
-        for name in ("block_m", *_DOT_OPERANDS):
-            if getattr(self, name) < 16:
-                raise ValueError(f"LayerParams.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
-        for name in _AT_LEAST_ONE:
-            if getattr(self, name) < 1:
-                raise ValueError(f"LayerParams.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("fc1_num_stages", "fc2_num_stages"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"LayerParams.{name} must be >= 0, got {getattr(self, name)}")
-        if self.wgrad_backend not in WGRAD_BACKENDS:
-            raise ValueError(f"LayerParams.wgrad_backend must be one of {WGRAD_BACKENDS}, got {self.wgrad_backend!r}")
-        if not 0.0 <= self.local_first_experts <= 1.0:
-            raise ValueError(f"LayerParams.local_first_experts must be in [0, 1], got {self.local_first_experts}")
-        if not 0.0 < self.debug_race_keep <= 1.0:
-            raise ValueError(f"LayerParams.debug_race_keep must be in (0, 1], got {self.debug_race_keep}")
-        for name in ("debug_race_seed", "debug_wait_slack", "debug_epoch_store_delay_us"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"LayerParams.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"LayerParams.timeout_s must be > 0, got {self.timeout_s}")
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            for check in spec.metadata["checks"]:
+                if value is not None and not check.holds(value):
+                    shown = repr(value) if isinstance(value, str) else value
+                    raise ValueError(f"LayerParams.{spec.name} must be {check.says}, got {shown}")
+
+
+_undeclared = [spec.name for spec in dataclasses.fields(LayerParams) if "kind" not in spec.metadata]
+if _undeclared:  # a field without its kind, values and stage would be invisible to the tuner
+    raise RuntimeError(f"LayerParams fields {_undeclared} are not declared with knob(...)")
 
 
 def shape_class(hidden: int) -> str:

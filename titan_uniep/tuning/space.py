@@ -2,11 +2,11 @@
 change of it may do to the bits, the values a search tries, and the
 constraints between fields on a given GPU.
 
-This table is the one place that says which fields are *schedule* fields
-(when a task runs, which program runs it, how an operand is loaded: a change
-never changes a bit of any output or gradient) and which are *numerics*
-fields (they set an fp32 summation order: another value gives other, equally
-deterministic bits). A search walks schedule fields only, unless its caller
+``FIELDS`` collects, from each field's one declaration (``params.knob``),
+which fields are *schedule* fields (when a task runs, which program runs it,
+how an operand is loaded: a change never changes a bit of any output or
+gradient) and which are *numerics* fields (they set an fp32 summation order:
+another value gives other, equally deterministic bits). A search walks schedule fields only, unless its caller
 opts in to numerics fields (``numerics=True``), so a cached or searched
 point never changes a training run's loss curve.
 
@@ -152,84 +152,12 @@ class Field:
     order_key: Callable[[Any], Any] | None = None
 
 
-_TILES = (16, 32, 64, 128, 256)
-_K_STEPS = (16, 32, 64, 128)
-_WARPS = (4, 8)
-_STAGES = (2, 3, 4)
-_BOOL = (False, True)
-_REGS = (None, 128, 168, 232)
-
+# Read from each field's ``params.knob`` (its one declaration).
 FIELDS: dict[str, Field] = {
-    # ---- grid and layout ----
-    "block_m": Field("schedule", _TILES, "all"),
-    "num_programs": Field("schedule", (None,), "all"),  # sample(): also explicit grids below the SM count
-    "group_m": Field("schedule", (1, 2, 4, 8, 16), "all"),
-    # ---- dispatch ----
-    "dispatch_programs": Field("schedule", (1, 2, 4, 8, 16, 32, 64, 1024), "dispatch"),
-    "dispatch_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "dispatch"),
-    "dispatch_block_dim": Field("schedule", (16, 32, 64, 128, 256, 512, 1024), "dispatch"),
-    "local_first": Field("schedule", _BOOL, "dispatch"),
-    "local_first_experts": Field("schedule", (0.0, 0.25, 0.5, 1.0), "dispatch"),
-    # ---- fc1 ----
-    "fc1_block_n": Field("schedule", _TILES, "fc1"),
-    "fc1_block_k": Field("numerics", _K_STEPS, "fc1"),
-    "fc1_num_warps": Field("schedule", _WARPS, "fc1"),
-    "fc1_num_stages": Field("schedule", _STAGES, "fc1"),
-    "fc1_one_dot": Field("schedule", _BOOL, "fc1"),
-    # ---- fc2 ----
-    "fc2_block_n": Field("schedule", _TILES, "fc2"),
-    "fc2_block_k": Field("numerics", _K_STEPS, "fc2"),
-    "fc2_num_warps": Field("schedule", _WARPS, "fc2"),
-    "fc2_num_stages": Field("schedule", _STAGES, "fc2"),
-    "fc2_programs_per_sm": Field("schedule", (1, 2), "fc2"),
-    "fc2_max_registers": Field("schedule", _REGS, "fc2"),
-    "fc2_tma": Field("schedule", _BOOL, "fc2"),
-    "fc2_defer_release": Field("schedule", _BOOL, "fc2"),
-    "fc2_flat_loop": Field("schedule", _BOOL, "fc2"),
-    # ---- reduce ----
-    "reduce_block_tokens": Field("schedule", (1, 2, 4, 8, 16, 32, 64), "reduce"),
-    "reduce_block_dim": Field("mixed", (16, 32, 64, 128, 256, 512, 1024), "reduce", order_key=lambda v: min(v, 256)),
-    # ---- dH ----
-    "dh_block_n": Field("numerics", _TILES, "dh"),
-    "dh_block_k": Field("numerics", _K_STEPS, "dh"),
-    "dh_num_warps": Field("schedule", _WARPS, "dh"),
-    "dh_num_stages": Field("schedule", _STAGES, "dh"),
-    "dh_programs_per_sm": Field("schedule", (1, 2), "dh"),
-    "dh_copies_rows": Field("schedule", _BOOL, "dh"),
-    # ---- dA ----
-    "da_block_n": Field("schedule", _TILES[:-1], "da"),  # 256: other bits on an H200 (docs/design.md)
-    "da_block_k": Field("numerics", _K_STEPS, "da"),
-    "da_num_warps": Field("schedule", _WARPS, "da"),
-    "da_num_stages": Field("schedule", _STAGES, "da"),
-    "da_programs_per_sm": Field("schedule", (1, 2), "da"),
-    "da_max_registers": Field("schedule", _REGS, "da"),
-    "da_tma": Field("schedule", _BOOL, "da"),
-    # ---- weight gradients ----
-    "wgrad_backend": Field("numerics", ("auto", "grouped_mm", "triton"), "wgrad"),
-    "wgrad_w13_block_m": Field("schedule", _TILES, "wgrad"),
-    "wgrad_w13_block_n": Field("schedule", _TILES, "wgrad"),
-    "wgrad_w13_block_k": Field("numerics", _K_STEPS, "wgrad"),
-    "wgrad_w13_num_warps": Field("schedule", _WARPS, "wgrad"),
-    "wgrad_w13_num_stages": Field("schedule", (2, 3, 4, 5), "wgrad"),
-    "wgrad_w2_block_m": Field("schedule", _TILES, "wgrad"),
-    "wgrad_w2_block_n": Field("schedule", _TILES, "wgrad"),
-    "wgrad_w2_block_k": Field("numerics", _K_STEPS, "wgrad"),
-    "wgrad_w2_num_warps": Field("schedule", _WARPS, "wgrad"),
-    "wgrad_w2_num_stages": Field("schedule", (2, 3, 4, 5), "wgrad"),
-    # ---- waits and testing hooks ----
-    "timeout_s": Field("fixed", (30.0,), "all"),
-    "interpreter_max_spins": Field("fixed", (10_000,), "all"),
-    "debug_silent_rank": Field("fixed", (-1,), "all"),
-    "debug_wait_slack": Field("fixed", (0,), "all"),
-    "debug_race": Field("fixed", (False,), "all"),
-    "debug_race_keep": Field("fixed", (0.9,), "all"),
-    "debug_race_seed": Field("fixed", (0,), "all"),
-    "debug_epoch_store_delay_us": Field("fixed", (0,), "all"),
+    spec.name: Field(spec.metadata["kind"], spec.metadata["values"], spec.metadata["stage"],
+                     spec.metadata["order_key"])
+    for spec in dataclasses.fields(LayerParams)
 }
-
-_missing = {f.name for f in dataclasses.fields(LayerParams)} ^ set(FIELDS)
-if _missing:  # a field added to LayerParams must be classified here (and the other way round)
-    raise RuntimeError(f"titan_uniep.tuning.space.FIELDS and LayerParams disagree on {sorted(_missing)}")
 
 
 def schedule_fields() -> tuple[str, ...]:
