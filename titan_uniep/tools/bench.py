@@ -272,8 +272,6 @@ def bench_shape(name, shape, args, group, mesh, dev):
             tflops = total_flops.item() / ms / 1e9
             record[key.removesuffix("_ms") + "_tflops"] = tflops
             record[key.removesuffix("_ms") + "_share_of_peak"] = tflops / args.peak_tflops
-    if "gemm_only_ms" in measured:
-        record["gemm_tflops_slowest_rank"] = record["gemm_only_tflops"]
     if {"gemm_only_ms", "transfer_only_ms"} <= set(measured):
         record["bound_ms"] = max(measured["gemm_only_ms"], measured["transfer_only_ms"])
     for key in ("uniep_fused_ms", "uniep_sequential_ms", "uniep_tuned_ms"):
