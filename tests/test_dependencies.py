@@ -29,11 +29,12 @@ def _top_level_imports(path: Path) -> set[str]:
 
 
 def _declared() -> set[str]:
-    """The base dependencies and those of the TorchTitan stacks' extras (TorchTitan
-    itself comes with its stack: ``pip install -e ".[torchtitan-0-2,test]"``)."""
+    """The base dependencies and those of the extras: the TorchTitan stacks (TorchTitan
+    itself comes with its stack: ``pip install -e ".[torchtitan-0-2,test]"``) and the
+    benches' optional peers (``peers``)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    stacks = [spec for name, specs in project["optional-dependencies"].items() if name.startswith("torchtitan-")
-              for spec in specs]
+    stacks = [spec for name, specs in project["optional-dependencies"].items()
+              if name.startswith("torchtitan-") or name == "peers" for spec in specs]
     return {re.split(r"[\s<>=!~;\[]", spec, maxsplit=1)[0].lower().replace("_", "-")
             for spec in [*project["dependencies"], *stacks]}
 
