@@ -14,8 +14,8 @@ on one GPU: ``Workspace.ranks_in_process`` gives each rank its own arena (a
 separate allocation, in shuffled order, so peer offsets are negative too),
 and each rank's calls go to a CUDA stream of its own through
 ``runtime.moe_forward`` / ``moe_backward``, as the rank's process would
-issue them, with grids small enough (``resident_grid``: the SMs over W
-and over the most programs per SM) that every rank's spinning programs
+issue them, with grids small enough (``resident_grid``: the SMs divided by
+W and by the most programs per SM) that every rank's spinning programs
 are resident together in any mix of phases.
 
 Each call: the ranks in a random order, each after a random delay on its
@@ -59,6 +59,7 @@ from titan_uniep.runtime import (BackwardWorkspace, Workspace, moe_backward, moe
                                  simulated_moe_forward)
 
 OUTPUTS = ("out", "dx", "dscores", "dw1", "dw2", "dw3")
+FAILURES = ("silent", "bad_slot", "exchange_abort", "mid_tile")
 
 # CUDA gives a context CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (default 8, at most
 # 32, read when the context starts) and maps streams onto them in turn: two streams on one
@@ -70,7 +71,6 @@ MAX_CONNECTIONS = 32
 if not torch.cuda.is_initialized():
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(MAX_CONNECTIONS))
 CONNECTIONS = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
-FAILURES = ("silent", "bad_slot", "exchange_abort", "mid_tile")
 
 
 @dataclass(frozen=True)
@@ -179,8 +179,8 @@ class CallReport:
 
 def resident_grid(params: LayerParams, world: int, device: torch.device) -> int:
     """The per-rank grid that keeps every rank's spinning programs resident
-    together, whatever phase each rank is in: the SMs over ``W`` times the
-    most programs per SM any megakernel launches (``*_programs_per_sm``).
+    together, whatever phase each rank is in: the SMs divided by ``W`` and by
+    the most programs per SM any megakernel launches (``*_programs_per_sm``).
 
     On its own GPU a rank runs one megakernel at a time, ``SMs x pps``
     programs that fit together. Here the ranks drift apart (up to a call),
@@ -489,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bound-s", type=float, default=0.5, help="wait bound of the failure calls")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--programs", type=int, default=None,
-                        help="per-rank grid (default: resident_grid, the SMs over W times the most programs per SM)")
+                        help="per-rank grid (default: resident_grid, the SMs divided by W and by the most programs "
+                             "per SM)")
     parser.add_argument("--compile-only", action="store_true",
                         help="build the worlds and compile their kernels into Triton's cache, run no call "
                              "(several at once fill the cache in parallel)")
