@@ -65,27 +65,27 @@ VARIANTS = {
 
 
 @triton.jit
-def _tile_of(task, num_tiles, N: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column block) of a task: ``GROUP_M`` row tiles walked together per column block."""
-    n_blocks = tl.cdiv(N, BN)
-    per_group = GROUP_M * n_blocks
+def _task_tile(task, tile_expert, tile_start, tile_end, num_tiles, N: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """A task's expert, first slot, slot offsets and mask, and first column: ``GROUP_M``
+    row tiles walked together per column block."""
+    per_group = GROUP_M * tl.cdiv(N, BN)
     first = (task // per_group) * GROUP_M
     rows_in_group = tl.minimum(num_tiles - first, GROUP_M)
-    return first + (task % per_group) % rows_in_group, (task % per_group) // rows_in_group
+    tile = first + (task % per_group) % rows_in_group
+    expert = tl.load(tile_expert + tile)
+    m0 = tl.load(tile_start + tile)
+    offs_m = m0 + tl.arange(0, BM)
+    return expert, m0, offs_m, offs_m < tl.load(tile_end + tile), (task % per_group) // rows_in_group * BN
 
 
 @triton.jit
 def _fc1_task(task, x, rows, tile_expert, tile_start, tile_end, num_tiles, w1, w3, h, w1_desc, w3_desc,
               DIM: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               GROUP_M: tl.constexpr, B_TMA: tl.constexpr):
-    tile, nb = _tile_of(task, num_tiles, HIDDEN, BN, GROUP_M)
-    expert = tl.load(tile_expert + tile)
-    m0 = tl.load(tile_start + tile)
-    m1 = tl.load(tile_end + tile)
-    offs_m = m0 + tl.arange(0, BM)
-    mask_m = offs_m < m1
+    expert, m0, offs_m, mask_m, n0 = _task_tile(task, tile_expert, tile_start, tile_end, num_tiles, HIDDEN, BM, BN,
+                                                GROUP_M)
     token = tl.load(rows + offs_m, mask=mask_m, other=0).to(tl.int64)
-    n0 = nb * BN
     offs_n = n0 + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     w_rows = (expert * HIDDEN + offs_n).to(tl.int64)
@@ -137,20 +137,15 @@ def fc1_core(x, rows, tile_expert, tile_start, tile_end, num_tiles, w1, w3, h,
 def _fc2_task(task, h, tile_expert, tile_start, tile_end, num_tiles, w2, y, h_desc, w2_desc,
               DIM: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               GROUP_M: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr):
-    tile, nb = _tile_of(task, num_tiles, DIM, BN, GROUP_M)
-    expert = tl.load(tile_expert + tile)
-    m0 = tl.load(tile_start + tile)
-    m1 = tl.load(tile_end + tile)
-    offs_m = m0 + tl.arange(0, BM)
-    mask_m = offs_m < m1
-    n0 = nb * BN
+    expert, m0, offs_m, mask_m, n0 = _task_tile(task, tile_expert, tile_start, tile_end, num_tiles, DIM, BM, BN,
+                                                GROUP_M)
     offs_n = n0 + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     w_rows = (expert * DIM + offs_n).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, HIDDEN, BK):
         if A_TMA:
-            a = h_desc.load([m0, k])  # rows past m1 (the next expert's) only reach masked outputs
+            a = h_desc.load([m0, k])  # rows past the tile (the next expert's) reach masked outputs only
         else:
             a = tl.load(h + offs_m[:, None].to(tl.int64) * HIDDEN + (k + offs_k)[None, :], mask=mask_m[:, None])
         if B_TMA:
