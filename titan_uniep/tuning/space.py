@@ -54,9 +54,9 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator
 
-from ..params import LayerParams, default_params
+from ..params import Kind, LayerParams, default_params
 from .hardware import HardwareConstants, default_constants
 
 __all__ = [
@@ -73,9 +73,6 @@ __all__ = [
     "sample",
     "schedule_fields",
 ]
-
-Kind = Literal["schedule", "numerics", "mixed", "fixed"]
-
 
 @dataclass(frozen=True)
 class LayerShape:
