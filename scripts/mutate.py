@@ -33,9 +33,9 @@ each run). First, once, every selected target runs on an unmutated copy
 
 ``--jobs N`` judges N mutants at once, each in its own copy; ``--limit-s S``
 caps every mutant's limit. Exit status 0 if every selected mutant was
-killed, 1 if not, 2 if the baseline failed. The list is data (``MUTANTS``): add a mutant with the tests
-that catch it (files or node ids, no options: the baseline runs them all in
-one pytest); GPU mutants (``device="gpu"``, tests/gpu targets) run with
+killed, 1 if not, 2 if the baseline failed. The list is data
+(``MUTANTS``): add a mutant with the tests that catch it (files or node
+ids, no options: the baseline runs them all in one pytest); GPU mutants (``device="gpu"``, tests/gpu targets) run with
 ``--device gpu`` on a GPU machine.
 ``tests/test_mutate_script.py`` checks that every ``old`` text is still in
 its file once; it never runs the mutants (minutes).
@@ -326,7 +326,8 @@ def judge(mutant: Mutant) -> tuple[str, float, str]:
     if status in (1, 2):
         return "killed", seconds, (failed or lines[-1:] or [""])[0]
     if status < 0:  # the test process crashed (a CUDA error ends in abort())
-        return "killed", seconds, f"pytest died of {signal.Signals(-status).name}" + (f" after {failed[0]}" if failed else "")
+        died = f"pytest died of {signal.Signals(-status).name}"
+        return "killed", seconds, died + (f" after {failed[0]}" if failed else "")
     if status == 0:
         return "survived", seconds, lines[-1] if lines else ""
     return "error", seconds, f"pytest exit status {status}: " + " | ".join(lines[-5:])
