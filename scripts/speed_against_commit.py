@@ -8,7 +8,10 @@ another commit's, side by side in one process, on one GPU (a simulated world of 
 The base commit's ``titan_uniep`` (``git archive``, or copied from a folder: a checkout
 without the commit, as on a machine the tree was copied to) goes into a temporary
 folder and is imported under another name, so both versions' kernels run in turn in one
-process (``timing.time_alternating``: alternating order, medians over rounds). For each
+process (``timing.time_alternating``: alternating order, medians over rounds; each
+timing builds its version's workspaces and drops them after, and the bitwise
+comparison keeps the results on the host, so one version's buffers are on the GPU
+at a time: DeepSeek-like shapes fit 80 GB). For each
 shape: the fused forward (h1 | h3 saved) and the fused backward on the saved h1 | h3,
 milliseconds; whether the forward output and each gradient are bitwise equal between the
 two versions. One JSON line per shape, then a Markdown table.
@@ -31,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from titan_uniep.shapes import SHAPES, TUNING_SHAPES, add_shape_argument  # noqa: E402
+from titan_uniep.shapes import TUNING_SHAPES, add_shape_argument  # noqa: E402
 from titan_uniep.timing import time_alternating  # noqa: E402
 
 BASE_NAME = "titan_uniep_base"
@@ -97,16 +100,23 @@ def main() -> int:
             i = layer_inputs(shape, 0, 1, torch.device("cuda"))
             inputs = tuple(i[key].unsqueeze(0) for key in ("x", "grad", "scores", "indices", "w1", "w2", "w3"))
             del i
-            calls, results = {}, {}
-            for tag, rt in versions.items():
+            results = {}
+            for tag, rt in versions.items():  # one version's workspaces at a time (DeepSeek-like on 80 GB)
                 forward, backward, out = layer_calls(rt, shape, inputs, args.score_before)
                 forward()
                 grads = backward()[0]
-                torch.cuda.synchronize()
-                calls[tag] = (forward, backward)
-                results[tag] = (out.clone(), [t.clone() for t in grads])
-            times = time_alternating({f"{tag}_{kind}": (lambda fn=calls[tag][j]: fn) for tag in versions
-                                      for j, kind in enumerate(("fwd", "bwd"))},
+                results[tag] = (out.cpu(), [t.cpu() for t in grads])
+                del forward, backward, out, grads
+                torch.cuda.empty_cache()
+
+            def build(rt, kind, inputs=inputs):
+                forward, backward, _ = layer_calls(rt, shape, inputs, args.score_before)
+                if kind == "bwd":
+                    forward()  # the saved h1 | h3 the backward reads
+                return forward if kind == "fwd" else backward
+
+            times = time_alternating({f"{tag}_{kind}": (lambda rt=rt, kind=kind: build(rt, kind))
+                                      for tag, rt in versions.items() for kind in ("fwd", "bwd")},
                                      warmup=args.warmup, reps=args.reps, rounds=args.rounds)
             row = dict(shape=name, score_before=args.score_before, **{k: round(v, 4) for k, v in times.items()},
                        out_bitwise=torch.equal(results["base"][0], results["tree"][0]),
@@ -115,7 +125,7 @@ def main() -> int:
                                                                                  results["tree"][1])))))
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del calls, results, inputs
+            del results, inputs
             torch.cuda.empty_cache()
     print(f"\n| shape | forward {args.base} | forward tree | tree / base | backward {args.base} | backward tree | "
           "tree / base |\n|---|---|---|---|---|---|---|")

@@ -20,15 +20,19 @@ _GPU_TESTS = Path(__file__).parent / "gpu"
 @pytest.fixture(autouse=True)
 def _gpu_share(request, tmp_path_factory):
     """Tests under ``tests/gpu`` or marked ``gpu``, where CUDA is: run while
-    holding a GPU slot, and give the memory the caching allocator keeps back
-    before the slot goes to the next test."""
+    holding a GPU slot (every slot: ``gpu_exclusive``), and give the memory
+    the caching allocator keeps back before the slot goes to the next test."""
     is_gpu_test = request.node.get_closest_marker("gpu") or _GPU_TESTS in request.node.path.parents
     if not (is_gpu_test and torch.cuda.is_available()):
         yield
         return
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 in a GPU test's process: the processes it starts would run Triton's "
+                    "interpreter on the GPU's tensors (tests/interpreter_env.py); unset it")
     # Under xdist every worker's base folder is a child of the run's: the run's slots.
     folder = tmp_path_factory.getbasetemp().parent / "titan_uniep-gpu-slots"
-    with gpu_slot(folder, slots(torch.cuda.get_device_properties(0).total_memory)):
+    exclusive = request.node.get_closest_marker("gpu_exclusive") is not None
+    with gpu_slot(folder, slots(torch.cuda.get_device_properties(0).total_memory), exclusive=exclusive):
         yield
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()

@@ -10,6 +10,13 @@ runs only while it holds one of a few *slots* (``slots``: one per
 ``SLOT_GIB`` of the card's memory, less one for the idle workers' contexts;
 ``UNIEP_GPU_TEST_SLOTS`` sets the number), a lock file of a folder all the
 run's workers share, and gives its cached memory back before it lets go.
+
+A test marked ``gpu_exclusive`` holds every slot: the card is its alone. That
+is for tests whose kernels wait on each other's progress under wall-clock
+bounds of a few seconds and that measure how fast every rank stops (the
+real-rank worlds: one rank's launch spins until a peer's launch, on another
+stream, has published): the driver time-slices the card between processes,
+so other tests' kernels would stretch those times.
 """
 
 from __future__ import annotations
@@ -36,11 +43,22 @@ def slots(total_bytes: int, environ: dict[str, str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def gpu_slot(folder: Path, count: int, poll_s: float = 0.1):
+def gpu_slot(folder: Path, count: int, poll_s: float = 0.1, exclusive: bool = False):
     """Hold one of ``count`` slots (lock files in ``folder``, which every
-    worker of the run shares) for the body; waits, polling, until one is
-    free (a test's pytest-timeout bounds the wait). Yields the slot's index."""
+    worker of the run shares) for the body, or every slot (``exclusive``);
+    waits until they are free (a test's pytest-timeout bounds the wait).
+    Yields the slot's index (0 when exclusive)."""
     folder.mkdir(parents=True, exist_ok=True)
+    if exclusive:
+        with contextlib.ExitStack() as held:
+            # Every exclusive holder takes the slots in index order (blocking), so two
+            # never hold a part each; a shared holder waits on none while it holds one.
+            for index in range(count):
+                handle = held.enter_context(open(folder / f"slot{index}", "a+"))
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                held.callback(fcntl.flock, handle, fcntl.LOCK_UN)
+            yield 0
+        return
     while True:
         for index in range(count):
             handle = open(folder / f"slot{index}", "a+")

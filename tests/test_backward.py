@@ -10,9 +10,9 @@ w1, w2, w3) is checked against autograd of the float64 reference and
 of the layout reference (torch, fp32), and fused against sequential bitwise.
 """
 
-import os
+from interpreter_env import request_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+request_interpreter()  # before anything defines a Triton kernel
 
 import pytest
 import torch

@@ -24,7 +24,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from titan_uniep import compute_dtype
 from titan_uniep.config import UniEP
-from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_tensor_shims
 from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 from titan_uniep.schedules import get_schedule, register_schedule
 
@@ -64,7 +64,7 @@ def _args(use_grouped_mm: bool = True) -> MoEArgs:
 
 
 def _moe(param_dtype: torch.dtype, use_grouped_mm: bool, group, requested: str = "auto") -> MoE:
-    apply_cpu_shims()  # TorchTitan's router: integer histc on CPU
+    apply_cpu_tensor_shims()  # TorchTitan's router: integer histc on CPU
     torch.manual_seed(7)
     moe = MoE(_args(use_grouped_mm), dim=DIM, hidden_dim=HIDDEN)
     with torch.no_grad():

@@ -9,11 +9,11 @@ import pytest
 from gpu_share import ENV_SLOTS, gpu_slot, slots
 
 
-def _hold(folder, count, log, hold_s):
-    with gpu_slot(folder, count, poll_s=0.01) as index:
-        log.put(("in", index, time.monotonic()))
+def _hold(folder, count, log, hold_s, exclusive=False):
+    with gpu_slot(folder, count, poll_s=0.01, exclusive=exclusive) as index:
+        log.put(("in", "all" if exclusive else index, time.monotonic()))
         time.sleep(hold_s)
-        log.put(("out", index, time.monotonic()))
+        log.put(("out", "all" if exclusive else index, time.monotonic()))
 
 
 @pytest.mark.timeout(60)
@@ -38,6 +38,37 @@ def test_no_more_processes_hold_slots_at_once_than_there_are_slots(tmp_path):
         else:
             by_slot.pop(index)
     assert most == 2, f"{most} processes held a slot at once"
+
+
+@pytest.mark.timeout(60)
+def test_an_exclusive_test_holds_the_card_alone():
+    """Five shared tests and two exclusive ones, three slots: while an exclusive
+    test holds the card no other test does, and each gets its turn."""
+    import tempfile
+    from pathlib import Path
+
+    ctx = mp.get_context("spawn")
+    log = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = [False, False, True, False, False, True, False]
+        workers = [ctx.Process(target=_hold, args=(Path(tmp) / "slots", 3, log, 0.2, exclusive))
+                   for exclusive in specs]
+        for w in workers:
+            w.start()
+            time.sleep(0.02)
+        for w in workers:
+            w.join(30)
+            assert w.exitcode == 0
+        events = sorted((log.get(timeout=5) for _ in range(2 * len(specs))), key=lambda e: e[2])
+    holders = []
+    for kind, slot, _ in events:
+        if kind == "in":
+            assert "all" not in holders, f"{slot} got in while an exclusive test held the card"
+            assert slot != "all" or not holders, f"an exclusive test got in beside {holders}"
+            holders.append(slot)
+        else:
+            holders.remove(slot)
+    assert sum(1 for kind, slot, _ in events if kind == "in" and slot == "all") == 2
 
 
 def test_slot_count_follows_the_cards_memory_or_the_variable():

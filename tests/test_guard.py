@@ -23,7 +23,7 @@ from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from distributed import run_distributed
 from titan_uniep.config import UniEP
-from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_tensor_shims
 from titan_uniep.torchtitan.layer import BitwiseGuard
 from titan_uniep.torchtitan.v0_2.parallelize import UniEPExpertParallel, _swap_to_uniep
 from titan_uniep.schedules import register_schedule
@@ -82,7 +82,7 @@ CASES = (("strict", "reference"), ("strict", "flaky"), ("check", "flaky"))
 
 
 def _guarded_layers(rank, world, result_dir):
-    apply_cpu_shims()
+    apply_cpu_tensor_shims()
     register_schedule("flaky", _flaky_on_rank1, needs_cuda=False)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     results = {}

@@ -5,9 +5,9 @@ Each test builds fresh random inputs and poisons every data buffer with NaN
 before every run, so a row read before it is written shows up.
 """
 
-import os
+from interpreter_env import request_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+request_interpreter()  # before anything defines a Triton kernel
 
 import pytest
 import torch

@@ -25,7 +25,7 @@ from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.models.moe.moe import MoE, MoEArgs
 
 from distributed import run_distributed
-from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_tensor_shims
 from titan_uniep.torchtitan.v0_2.parallelize import UniEPExpertParallel, _swap_to_uniep
 from titan_uniep.config import UniEP
 
@@ -60,7 +60,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_check(rank: int, world: int, dtype: torch.dtype, score_before: bool, routing: str, tokens: int) -> None:
-    apply_cpu_shims()
+    apply_cpu_tensor_shims()
     torch.manual_seed(1234)  # same weights on every rank
     args = MoEArgs(
         num_experts=EXPERTS,

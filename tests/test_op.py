@@ -14,9 +14,9 @@ Larger simulated worlds are tested through ``runtime.simulated_*``
 """
 
 import copy
-import os
+from interpreter_env import request_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+request_interpreter()  # before anything defines a Triton kernel
 
 import pytest
 from torchtitan_release import torchtitan_0_2
@@ -321,10 +321,10 @@ def eager_and_compiled_moe(group, *, seed, num_shared_experts, tokens, autocast=
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_tensor_shims
     from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
-    apply_cpu_shims()  # int histc of TorchTitan's router on CPU
+    apply_cpu_tensor_shims()  # int histc of TorchTitan's router on CPU
     torch.manual_seed(seed)
     args = MoEArgs(num_experts=4, num_shared_experts=num_shared_experts, top_k=2, score_func="softmax",
                    route_norm=True, score_before_experts=False, use_grouped_mm=False)
@@ -389,10 +389,10 @@ def test_float32_compute_of_bf16_parameters_runs_the_kernels_in_fp32_and_returns
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
     from titan_uniep.config import UniEP
-    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_shims
+    from titan_uniep.torchtitan.v0_2.cpu import apply_cpu_tensor_shims
     from titan_uniep.torchtitan.v0_2.parallelize import _swap_to_uniep
 
-    apply_cpu_shims()
+    apply_cpu_tensor_shims()
     torch.manual_seed(43)
     args = MoEArgs(num_experts=4, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
                    score_before_experts=False, use_grouped_mm=True)

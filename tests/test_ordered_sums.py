@@ -9,9 +9,9 @@ order itself: a sum that followed numpy's (``tl.sum`` in the interpreter) or
 any other order fails these tests.
 """
 
-import os
+from interpreter_env import request_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+request_interpreter()  # before anything defines a Triton kernel
 
 import numpy as np
 import pytest

@@ -15,7 +15,9 @@ on the GPU (``tests/gpu/test_gpu_real_ranks.py``).
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+from interpreter_env import request_interpreter
+
+request_interpreter()  # before anything defines a Triton kernel
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -23,9 +23,9 @@ wait that ignored the abort word would spin, the spin bound is 10^5 polls
 record where ``STOPPED`` is expected, and as time.
 """
 
-import os
+from interpreter_env import request_interpreter
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+request_interpreter()  # before anything defines a Triton kernel
 
 import re
 import time

@@ -20,7 +20,9 @@ other points); a failure names the seed and the fields that differ.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+from interpreter_env import request_interpreter
+
+request_interpreter()  # before anything defines a Triton kernel
 
 import random  # noqa: E402
 import sys  # noqa: E402

@@ -3,6 +3,8 @@
 They may run in parallel (pytest-xdist, several processes on one GPU): each
 persistent grid is one launch of one process, and the driver time-slices
 whole contexts, so a grid's programs stay resident together while it runs.
+A few GPU tests at once (``tests/gpu_share.py``); the real-rank tests, which
+time how fast every rank stops, hold the card alone (``gpu_exclusive``).
 The sampled-point test compiles a kernel set per test, which is what the
 workers share out (``docs/design.md``, "Schedule and numerics fields").
 """

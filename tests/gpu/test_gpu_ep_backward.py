@@ -5,7 +5,7 @@ import pytest
 
 from .torchrun_worker import needs_two_gpus, run_worker
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.gpu_exclusive]
 
 
 @needs_two_gpus

@@ -25,7 +25,7 @@ import torch
 
 from titan_uniep.tools.real_ranks import RealRankWorld
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_exclusive]
 
 
 @pytest.mark.parametrize("case, world", [("after", 2), ("before", 4), ("empty_rank", 2), ("after", 8)])

@@ -27,7 +27,9 @@ adds in the order of its tile's layout (the interpreter cannot show that):
   a layer trained with fp32 master weights is timed with fp32 weight
   gradients, the weight-gradient tiles among its backward neighbours.
 
-A failure names the seed, the point's fields and the tensors that differ.
+A failure names the seed, the point's fields and the tensors that differ (or
+the error), then what each of those fields does alone on the default point
+(``fields_alone``: the fields that alone change bits or stop the layer).
 ``UNIEP_TUNING_SEED`` (default 0) shifts every seed to explore other points.
 Run on the GPU machine (with xdist: the compiles dominate):
 ``python -m pytest -n 12 tests/gpu/test_gpu_schedule_bits.py``.
@@ -116,6 +118,45 @@ def differing(ref: dict, got: dict) -> list[str]:
     return [name for name in ref if not torch.equal(ref[name], got[name])]
 
 
+ALONE_TIMEOUT_S = 5.0  # each field alone: a stalled wait reports in 5 s, not the default bound
+
+
+def fields_alone(run, ref: dict, point, base) -> dict[str, str]:
+    """What each field the point changes does alone on the base point:
+    ``run(params)`` against ``ref``; the fields whose value alone changes bits
+    or stops the layer, with the tensors or the error's first line."""
+    found = {}
+    for field, value in changed_fields(point, base).items():
+        try:
+            alone = base.replace(**{field: value}, timeout_s=ALONE_TIMEOUT_S)
+        except ValueError as e:
+            found[field] = f"not valid alone: {e}"
+            continue
+        try:
+            differ = differing(ref, run(alone))
+        except RuntimeError as e:
+            found[field] = "stops: " + str(e).splitlines()[0][:300]
+            continue
+        if differ:
+            found[field] = f"bits differ in {differ}"
+    return found
+
+
+def check_point(run, ref: dict, point, base, what: str) -> None:
+    """``run(point)`` gives ``ref``'s bits; a failure (other bits, or an error)
+    names the point, then what each of its fields does alone."""
+    try:
+        got, error = run(point), None
+    except RuntimeError as e:
+        got, error = None, str(e)
+    differ = differing(ref, got) if got is not None else None
+    if error is None and not differ:
+        return
+    alone = fields_alone(run, ref, point, base)
+    found = error if error is not None else f"bits differ in {differ}"
+    pytest.fail(f"{what}, {changed_fields(point, base)}: {found}\nthe fields alone: {alone or 'none fails alone'}")
+
+
 @pytest.mark.parametrize("shape_name,world,score_before,dtype", CASES,
                          ids=[f"{s}-w{w}-{'before' if b else 'after'}-{d}" for s, w, b, d in CASES])
 def test_sampled_point_gives_the_default_points_bits(shape_name, world, score_before, dtype):
@@ -130,9 +171,8 @@ def test_sampled_point_gives_the_default_points_bits(shape_name, world, score_be
     assert fields and keeps_bits(point, base) is None, f"seed {seed}: not a schedule point: {fields}"
     w = world_inputs(shape_name, world, dtype)
     ref = run_simulated(w, base, score_before, "sequential")
-    got = run_simulated(w, point, score_before, schedule)
-    differ = differing(ref, got)
-    assert not differ, f"seed {seed}, {schedule}, {fields}: bits differ in {differ}"
+    check_point(lambda params: run_simulated(w, params, score_before, schedule), ref, point, base,
+                f"seed {seed}, {schedule}")
 
 
 FP32_GRAD_CASES = list(itertools.product(SHAPES, (1, 2, 4)))
@@ -151,10 +191,9 @@ def test_sampled_point_gives_the_default_points_fp32_weight_gradients(shape_name
     schedule = rng.choice(("sequential", "fused"))
     w = world_inputs(shape_name, world, torch.bfloat16)
     ref = run_simulated(w, base, False, "sequential", torch.float32)
-    got = run_simulated(w, point, False, schedule, torch.float32)
     assert all(ref[f"dw{i}.r0"].dtype == torch.float32 for i in (1, 2, 3))
-    differ = differing(ref, got)
-    assert not differ, f"seed {seed}, {schedule}, {changed_fields(point, base)}: bits differ in {differ}"
+    check_point(lambda params: run_simulated(w, params, False, schedule, torch.float32), ref, point, base,
+                f"seed {seed}, {schedule}")
 
 
 WGRAD_CASES = [(names, combo, world) for names, combos in WGRAD_CHOICES.items() for combo in combos[1:]

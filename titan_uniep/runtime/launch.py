@@ -12,12 +12,12 @@ directions: per-rank tensors stacked on a leading local-rank dimension ``L``
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from ..kernels.route import (count_parts, exchange_counts_kernel, route_block, route_histogram_kernel,
                              route_layout_kernel)
@@ -141,11 +141,30 @@ def rank_tensors(stacked: Sequence[torch.Tensor] | torch.Tensor, world: int) -> 
 
 def use_timer(ws: Workspace) -> bool:
     """Whether waits are bounded in time (GPU) or in polls (the interpreter)."""
-    return ws.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return ws.device.type == "cuda" and not interpreting()
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether UniEP's kernels run in Triton's interpreter. ``triton.jit`` reads
+    ``TRITON_INTERPRET`` when it defines a kernel, so that is when this was
+    decided: a variable set or unset later (a test module of the same process)
+    changes neither the kernels nor this."""
+    return _KERNELS_INTERPRETED
+
+
+_KERNELS_INTERPRETED = isinstance(widen_kernel, InterpretedFunction)
+
+
+def check_kernel_mode(device: torch.device) -> None:
+    """Refuse GPU tensors for kernels defined for Triton's interpreter: it runs
+    a grid's programs one after another on host copies, so the waits on other
+    programs and ranks are not what a GPU runs (a layer's output would not be
+    one to train on)."""
+    if device.type == "cuda" and interpreting():
+        raise RuntimeError(
+            "UniEP's kernels were defined for Triton's interpreter (TRITON_INTERPRET=1 when they were "
+            "imported), but the layer's tensors are on a GPU: unset TRITON_INTERPRET for GPU runs."
+        )
 
 
 def wait_bound(ws: Workspace, params: LayerParams) -> int:
@@ -218,6 +237,7 @@ def route(ws: Workspace, indices: torch.Tensor, num_tokens: int | None, params: 
     -1 in a simulated world. ``num_tokens``: this rank's ``T`` (real EP) or
     None (read from ``ws.num_tokens``). ``steps``: a subset, in order (tests
     drive the ranks of a world one step at a time)."""
+    check_kernel_mode(ws.device)
     s = ws.shape
     block = route_block(s.num_experts)
     blocks = max(1, -(-indices.shape[1] * s.top_k // block))

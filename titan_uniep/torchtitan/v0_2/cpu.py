@@ -3,9 +3,11 @@
 TorchTitan 0.2.2 assumes an accelerator in a few places; each shim below
 works around exactly one of them and names the line it works around.
 ``apply_cpu_shims`` does nothing where CUDA is available, so GPU runs are
-untouched. They exist so the end-to-end path (config -> train spec ->
-parallelize -> FSDP x EP over gloo -> loss curve) is testable on CPU-only
-CI and dev machines; numbers from such runs say nothing about GPU speed.
+untouched; ``apply_cpu_tensor_shims``, the part that acts on CPU tensors
+only, serves a CPU layer in a process with CUDA too (tests). They exist so
+the end-to-end path (config -> train spec -> parallelize -> FSDP x EP over
+gloo -> loss curve) is testable on CPU-only CI and dev machines; numbers from
+such runs say nothing about GPU speed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from titan_uniep.torchtitan.cpu_device import CpuDeviceModule, cpu_has_native_bf16, with_sum_only_reductions
 
 _applied = False
+_tensor_shims_applied = False
 
 
 def _use_cpu_device() -> None:
@@ -37,7 +40,7 @@ def _use_cpu_device() -> None:
 def _histc_integer_on_cpu() -> None:
     # models/moe/moe.py:348 and :399 count tokens per expert with torch.histc
     # on int64 expert ids; the CPU kernel has no integer version (CUDA does).
-    # Counts are small integers, exact in float32.
+    # Counts are small integers, exact in float32. CPU tensors only.
     histc = torch.histc
 
     @functools.wraps(histc)
@@ -52,10 +55,30 @@ def _histc_integer_on_cpu() -> None:
 def _permute_indices_on_cpu() -> None:
     # ExpertParallel's token dispatch calls _permute (models/moe/utils.py:47),
     # which calls the Triton version of generate_permute_indices unless
-    # use_cpu=True; TorchTitan never passes it.
+    # use_cpu=True; TorchTitan never passes it. Counts on the CPU take the CPU
+    # version; counts on a GPU keep TorchTitan's choice.
     from torchtitan.models.moe import kernels, utils as moe_utils
 
-    moe_utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+    generate = kernels.generate_permute_indices
+
+    @functools.wraps(generate)
+    def generate_where_the_counts_are(tokens_per_expert_group, *args, use_cpu=False, **kwargs):
+        use_cpu = use_cpu or tokens_per_expert_group.device.type == "cpu"
+        return generate(tokens_per_expert_group, *args, use_cpu=use_cpu, **kwargs)
+
+    moe_utils.generate_permute_indices = generate_where_the_counts_are
+
+
+def apply_cpu_tensor_shims() -> None:
+    """The shims TorchTitan's MoE layers need on CPU tensors (the integer
+    ``histc`` of the router, the CPU token permutation), once per process. Each
+    acts on CPU tensors only, so a process that also has CUDA (the tests that
+    run a TorchTitan layer on CPU on a GPU machine) may apply them."""
+    global _tensor_shims_applied
+    if not _tensor_shims_applied:
+        _histc_integer_on_cpu()
+        _permute_indices_on_cpu()
+        _tensor_shims_applied = True
 
 
 def _fsdp_sum_only_reductions() -> None:
@@ -84,8 +107,7 @@ def apply_cpu_shims() -> bool:
         return False
     if not _applied:
         _use_cpu_device()
-        _histc_integer_on_cpu()
-        _permute_indices_on_cpu()
+        apply_cpu_tensor_shims()
         _fsdp_sum_only_reductions()
         _quiet_gpu_only_warnings()
         _applied = True
