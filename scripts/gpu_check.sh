@@ -6,6 +6,11 @@
 #
 #   bash scripts/gpu_check.sh                     # everything
 #   STEPS="tests" bash scripts/gpu_check.sh       # a subset of: tests bench bench_backward
+#   STEPS="readme_tests speed probe golden" BASE=.base bash scripts/gpu_check.sh
+#       readme_tests: the README's test command, every test (-n auto); on a time-out it
+#           is interrupted (SIGINT), so the failures so far are still summarised;
+#       speed: scripts/speed_against_commit.py --base $BASE (a commit or a folder);
+#       probe: scripts/gemm_core_probe.py; golden: the bf16 golden digests (an H200's)
 #   SHAPES="qwen3 4096,2048,768,128,8" REPS=20 bash scripts/gpu_check.sh   # shapes: --shape values, spaces between
 #
 # TorchTitan and its pure-Python dependencies: installed already, or as
@@ -46,7 +51,26 @@ for step in $STEPS; do
             -m "titan_uniep.tools.$step" "${shape_args[@]}" --check --warmup "${WARMUP:-3}" --reps "${REPS:-10}" \
             --json-out "$OUT/$step.jsonl" ${BENCH_EXTRA:-} > "$OUT/$step.log" 2>&1 || status=1
         grep -E "^\||Error|Traceback" "$OUT/$step.log" | cut -c1-300 | tail -20 ;;
-    *) echo "unknown step $step (tests, bench, bench_backward)"; exit 2 ;;
+    readme_tests)
+        echo "== the README's test command"
+        timeout -s INT -k 30 "${TESTS_S:-480}" python3 -m pytest -q -n auto --dist loadscope -p no:cacheprovider \
+            -rfE > "$OUT/readme_tests.log" 2>&1 || status=1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/readme_tests.log" | cut -c1-300 | tail -40 ;;
+    speed)
+        echo "== the default point against ${BASE:?BASE=<commit or folder>}"
+        timeout "${BENCH_S:-300}" python3 scripts/speed_against_commit.py --base "$BASE" "${shape_args[@]}" \
+            > "$OUT/speed.log" 2>&1 || status=1
+        tail -8 "$OUT/speed.log" ;;
+    probe)
+        echo "== GEMM cores alone"
+        timeout "${BENCH_S:-300}" python3 scripts/gemm_core_probe.py "${shape_args[@]}" --json-out "$OUT/probe.jsonl" \
+            > "$OUT/probe.log" 2>&1 || status=1
+        grep -E "^\||peak" "$OUT/probe.log" | tail -30 ;;
+    golden)
+        echo "== bf16 golden digests"
+        python3 tests/golden/make_golden.py --check tests/golden/h200_bf16.json > "$OUT/golden.log" 2>&1 || status=1
+        tail -5 "$OUT/golden.log" ;;
+    *) echo "unknown step $step (tests, bench, bench_backward, readme_tests, speed, probe, golden)"; exit 2 ;;
     esac
 done
 exit $status
