@@ -329,6 +329,18 @@ def test_preflight_runs_the_uniep_checks_that_need_no_model():
                      world_size=2)
 
 
+@pytest.mark.parametrize("converters", ["quantize.grouped_mm.float8", "quantize.linear.float8,quantize.grouped_mm.mx"])
+def test_a_low_precision_experts_recipe_stops_at_start_up(converters):
+    """TorchTitan's float8 / MX grouped-GEMM converters swap the experts' weights for torchao
+    tensor subclasses, which UniEP's kernels do not run: no silent bf16 run under such a config."""
+    with pytest.raises(ValueError, match=r"model\.converters has quantize\.grouped_mm\.(float8|mx): .*Remove "
+                                         r"quantize\.grouped_mm\.\w+ from \[model\] converters"):
+        pf.preflight(["--job.config_file", str(UNIEP_CONFIG), "--model.converters", converters], world_size=2)
+    # Converters of other layers only (the linear float8 recipe) are the job's own business.
+    pf.preflight(["--job.config_file", str(UNIEP_CONFIG), "--model.converters", "quantize.linear.float8"],
+                 world_size=2)
+
+
 def test_bundled_tokenizer_path_resolves_from_any_working_directory(tmp_path, monkeypatch):
     from torchtitan.components.tokenizer import build_hf_tokenizer
     from torchtitan.config import ConfigManager

@@ -107,6 +107,17 @@ def validate(cfg: UniEP, model: nn.Module | None, parallel_dims, job_config) -> 
             f"(parallelism.tensor_parallel_degree = {parallel_dims.tp}). Set tensor_parallel_degree = 1, "
             "or [uniep] enable = false."
         )
+    experts_converters = [c for c in job_config.model.converters if c.startswith("quantize.grouped_mm.")]
+    if experts_converters:
+        # The converter swaps the experts' weights for torchao tensor subclasses (dynamic
+        # float8 / MX scaling in their grouped GEMMs); UniEP's kernels compute in bf16 or fp32,
+        # so the job would train the experts without the recipe it asks for.
+        raise ValueError(
+            f"[uniep] enable = true, but model.converters has {', '.join(experts_converters)}: UniEP's expert "
+            "kernels compute in bf16 or fp32 and do not run TorchTitan's low-precision grouped-GEMM recipes. "
+            f"Remove {', '.join(experts_converters)} from [model] converters (--model.converters), or set "
+            "[uniep] enable = false."
+        )
     backend = job_config.parallelism.expert_parallel_comm_backend
     if backend != "standard":
         raise ValueError(
