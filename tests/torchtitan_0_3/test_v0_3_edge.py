@@ -74,6 +74,32 @@ def test_configurations_uniep_cannot_serve_fail_naming_the_key_and_the_fix(args,
         parse_job([*MODULE, *args])
 
 
+@pytest.mark.parametrize("converter", ["float8", "mx"])
+def test_a_low_precision_experts_converter_is_refused_not_trained_in_bf16(converter):
+    """TorchTitan's float8 / MX grouped-experts converters (applied in the model registry,
+    before UniEP's override) swap ``inner_experts`` for a quantized subclass; UniEP's node
+    would keep only its weights and train the experts in bf16. The converters need torchao
+    and an SM89+ GPU to be built, so the test runs their ``convert`` alone."""
+    from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
+    from torchtitan.components.quantization.mx import MXFP8GroupedExpertsConverter
+
+    from titan_uniep.config import UniEP
+    from titan_uniep.torchtitan.v0_3.trainer import validate
+
+    cls = {"float8": Float8GroupedExpertsConverter, "mx": MXFP8GroupedExpertsConverter}[converter]
+    instance = object.__new__(cls)
+    instance.config = cls.Config()
+    job = ConfigManager().parse_args([*MODULE, "--config", "qwen3_debug_moe_uniep"])
+    validate(job)  # as bundled: served
+    model = instance.convert(ConfigManager().parse_args([*MODULE, "--config", "qwen3_debug_moe_baseline"])
+                             .model_spec.model)
+    apply_uniep(model, UniEP(enable=True))
+    job.model_spec.model = model
+    with pytest.raises(ValueError, match=r"grouped experts are (Float8|MXFP8)GroupedExperts, from a TorchTitan "
+                                         r"quantization converter.*Drop the grouped-experts converter"):
+        validate(job)
+
+
 @pytest.mark.parametrize("args,match", [
     (("--training.no-disable-cuda-graphs",), r"uniep\.schedule = \"reference\" sizes its all-to-all on the host.*"
                                              r"--training\.disable_cuda_graphs"),

@@ -64,6 +64,19 @@ class UniEPSelectiveAC(SelectiveAC):
         return ops
 
 
+def quantized_experts(model_config) -> list[str]:
+    """The class names of the grouped experts inside UniEP's routed-experts nodes
+    that a TorchTitan quantization converter made (its float8 / MX grouped-GEMM
+    recipes swap ``inner_experts`` for a subclass defined in
+    ``torchtitan.components.quantization``); UniEP would keep only their weights."""
+    names = []
+    for _fqn, node, _parent, _attr in model_config.traverse(UniEPRoutedExperts.Config):
+        owner = getattr(type(node.inner_experts), "_owner", None)
+        if owner is not None and owner.__module__.startswith("torchtitan.components.quantization"):
+            names.append(owner.__name__)
+    return names
+
+
 def validate(config: "UniEPTrainer.Config") -> None:
     """Raise ValueError naming the key and the fix if UniEP cannot serve this job. Needs the config only.
 
@@ -79,6 +92,14 @@ def validate(config: "UniEPTrainer.Config") -> None:
             f"uniep.enable = true, but model {model.name!r} flavor {model.flavor!r} has no MoE layers. "
             "Pick an MoE config (e.g. --module titan_uniep.torchtitan.v0_3 --config qwen3_debug_moe_uniep), "
             "or set --uniep.enable false."
+        )
+    quantized = quantized_experts(model.model) if model is not None else []
+    if quantized:
+        raise ValueError(
+            f"uniep.enable = true, but the model's grouped experts are {', '.join(sorted(set(quantized)))}, "
+            "from a TorchTitan quantization converter (float8 / MX grouped GEMMs): UniEP's expert kernels "
+            "compute in bf16 or fp32 and do not run those recipes. Drop the grouped-experts converter from "
+            "the model registry's converters, or set --uniep.enable false."
         )
     parallelism = config.parallelism
     if parallelism.tensor_parallel_degree > 1:
